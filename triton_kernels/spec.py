@@ -1,0 +1,53 @@
+"""What every op file declares about its Triton kernels.
+
+Each op module exposes ``KERNELS: tuple[KernelSpec, ...]``. The autotune helper of
+``runtime`` reads the configs (rejecting those whose footprint does not fit the on-chip
+budget) and the Ascend lowering gate reads everything, so the declaration cannot drift from
+the kernels: a ``@triton.jit`` function of ``triton_kernels`` that no spec names is an error
+of the gate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class TuneConfig:
+    """One point of an autotune space.
+
+    ``params`` are the constexpr tile sizes passed to the kernel. ``ub_bytes`` is the
+    unified-buffer footprint of one program with this config (every tensor live at once,
+    counted once); with ``multibuffer`` the compiler double-buffers, so twice that must fit.
+    """
+
+    params: dict[str, int]
+    ub_bytes: int
+    multibuffer: bool = True
+
+    @property
+    def resident_bytes(self) -> int:
+        return self.ub_bytes * (2 if self.multibuffer else 1)
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """A kernel, the argument types it is compiled for and its autotune space.
+
+    ``signatures`` maps each non-constexpr parameter to a Triton type (``"*fp32"``, ``"i32"``);
+    one entry per dtype variant the op launches. ``constexprs`` fixes constexpr parameters
+    that are not tuned (e.g. a head dim) to representative model values. ``uses_cube`` is
+    True for kernels with ``tl.dot``: they launch one program per AI core (cube + vector,
+    Ascend ``mix`` mode); the others launch one per vector core (``aiv``).
+    """
+
+    kernel: Any
+    signatures: tuple[dict[str, str], ...]
+    configs: tuple[TuneConfig, ...]
+    constexprs: dict[str, int] = field(default_factory=dict)
+    uses_cube: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.kernel.fn.__name__ if hasattr(self.kernel, "fn") else self.kernel.__name__
