@@ -1,0 +1,7 @@
+"""Test-session setup shared by every test package."""
+
+import os
+
+# Triton reads TRITON_INTERPRET when a kernel is decorated, so it must be set before any test
+# module imports triton_kernels: kernels then run on CPU tensors through the interpreter.
+os.environ["TRITON_INTERPRET"] = "1"

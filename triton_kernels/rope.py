@@ -1,0 +1,230 @@
+"""Partial, interleaved rotary position embedding (DeepSeek V4 RoPE, model-spec §4.2).
+
+Contract
+    ``rope_inv_freq(rope_dim, theta, yarn) -> [rope_dim // 2]`` fp32: ``theta ** (-2i / rope_dim)``,
+    with YaRN frequency interpolation when ``yarn`` is given (no magnitude factor: V4 leaves cos/sin
+    unscaled).
+
+    ``apply_rope(x [T, D] | [T, H, D], positions [T] int32/int64, inv_freq [P] fp32, inverse) -> like x``:
+    only the last ``2P`` channels rotate; pair ``(2i, 2i+1)`` of that slice is turned by
+    ``positions[t] * inv_freq[i]`` (fp32, as transformers computes it), or by minus that angle with
+    ``inverse=True`` (the attention output). The leading NoPE channels are copied unchanged.
+    Positions are not range-checked (that would synchronise the device); the fp32 angle follows
+    transformers exactly for positions below 2**24. cos/sin stay fp32 for bf16 input too, where
+    transformers rounds them to bf16 first.
+
+Kernel
+    One task is ``BLOCK_R`` (token, head) rows: the NoPE part is copied in ``BLOCK_D`` sub-tiles, the
+    rope part is read as even and odd channels and rotated in fp32.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from triton_kernels import runtime
+from triton_kernels.spec import KernelSpec, TuneConfig
+
+_DTYPES = (torch.float32, torch.bfloat16)
+_POS_DTYPES = (torch.int32, torch.int64)
+_MAX_NUMEL = 2**31 - 1  # offsets are int32 inside the kernel
+
+
+@dataclass(frozen=True)
+class Yarn:
+    """YaRN frequency interpolation (``rope_scaling`` of the compressed-attention layers)."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float
+    beta_slow: float
+
+    def __post_init__(self) -> None:
+        if not self.factor > 0:
+            raise ValueError(f"factor: {self.factor} must be > 0")
+        if self.original_max_position_embeddings < 1:
+            raise ValueError(
+                f"original_max_position_embeddings: {self.original_max_position_embeddings} must be >= 1"
+            )
+        if not self.beta_fast > self.beta_slow > 0:
+            raise ValueError(
+                f"beta_fast, beta_slow: {self.beta_fast}, {self.beta_slow} need beta_fast > beta_slow > 0"
+            )
+
+
+def rope_inv_freq(rope_dim: int, theta: float, yarn: Yarn | None = None) -> torch.Tensor:
+    if rope_dim < 2 or rope_dim % 2:
+        raise ValueError(f"rope_dim: {rope_dim} must be even and >= 2")
+    if not theta > 1:
+        raise ValueError(f"theta: {theta} must be > 1")
+    inv_freq = 1.0 / theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim)
+    if yarn is None:
+        return inv_freq
+
+    def correction_dim(beta: float) -> float:
+        # The pair index whose wavelength fits `beta` times into the original context.
+        return (
+            rope_dim
+            * math.log(yarn.original_max_position_embeddings / (2 * math.pi * beta))
+            / (2 * math.log(theta))
+        )
+
+    low = max(math.floor(correction_dim(yarn.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(yarn.beta_slow)), rope_dim - 1)
+    if high == low:
+        high += 0.001
+    ramp = ((torch.arange(rope_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    # Pairs below `low` keep their frequency, pairs above `high` are slowed down by `factor`.
+    return inv_freq / yarn.factor * ramp + inv_freq * (1 - ramp)
+
+
+def apply_rope(
+    x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False
+) -> torch.Tensor:
+    _validate(x, positions, inv_freq)
+    if runtime.use_triton(x):
+        return apply_rope_triton(x, positions, inv_freq, inverse)
+    return apply_rope_ref(x, positions, inv_freq, inverse)
+
+
+def _validate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> None:
+    if x.dtype not in _DTYPES:
+        raise ValueError(f"x: dtype {x.dtype} not supported, expected one of {_DTYPES}")
+    if x.dim() not in (2, 3):
+        raise ValueError(f"x: shape {tuple(x.shape)} must be [T, D] or [T, H, D]")
+    if x.numel() > _MAX_NUMEL:
+        raise ValueError(f"x: {x.numel()} elements exceeds the limit {_MAX_NUMEL}")
+    if inv_freq.dtype != torch.float32 or inv_freq.dim() != 1 or inv_freq.numel() < 1:
+        raise ValueError(
+            f"inv_freq: {inv_freq.dtype} {tuple(inv_freq.shape)} must be a non-empty 1-D float32 tensor"
+        )
+    if 2 * inv_freq.numel() > x.shape[-1]:
+        raise ValueError(f"inv_freq: {inv_freq.numel()} pairs do not fit the last dim {x.shape[-1]} of x")
+    if positions.dtype not in _POS_DTYPES:
+        raise ValueError(f"positions: dtype {positions.dtype} not supported, expected one of {_POS_DTYPES}")
+    if positions.shape != x.shape[:1]:
+        raise ValueError(
+            f"positions: shape {tuple(positions.shape)} must be ({x.shape[0]},), one per token of x"
+        )
+    for name, t in (("positions", positions), ("inv_freq", inv_freq)):
+        if t.device != x.device:
+            raise ValueError(f"{name}: device {t.device} differs from x's device {x.device}")
+
+
+def apply_rope_ref(
+    x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False
+) -> torch.Tensor:
+    rope_dim = 2 * inv_freq.numel()
+    angle = positions.float()[:, None] * inv_freq[None, :]
+    cos, sin = angle.cos(), angle.sin()
+    if inverse:
+        sin = -sin
+    if x.dim() == 3:
+        cos, sin = cos[:, None], sin[:, None]
+    rope = x[..., x.shape[-1] - rope_dim :].float()
+    even, odd = rope[..., 0::2], rope[..., 1::2]
+    rotated = torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1).flatten(-2)
+    return torch.cat((x[..., : x.shape[-1] - rope_dim], rotated.to(x.dtype)), dim=-1)
+
+
+@triton.jit
+def _rope_kernel(
+    x_ptr,
+    pos_ptr,
+    freq_ptr,
+    out_ptr,
+    R,
+    H,
+    D,
+    P,
+    stride_x,
+    sign,
+    HALF: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    nope = D - 2 * P
+    pair = tl.arange(0, HALF)
+    pair_ok = pair < P
+    freq = tl.load(freq_ptr + pair, mask=pair_ok, other=0.0)
+    even = nope + 2 * pair
+    for task in range(pid, tl.cdiv(R, BLOCK_R), tl.num_programs(0)):
+        rows = task * BLOCK_R + tl.arange(0, BLOCK_R)
+        row_ok = rows < R
+        src = x_ptr + rows[:, None] * stride_x
+        dst = out_ptr + rows[:, None] * D
+        for d0 in range(0, nope, BLOCK_D):
+            cols = d0 + tl.arange(0, BLOCK_D)
+            mask = row_ok[:, None] & (cols[None, :] < nope)
+            tl.store(dst + cols[None, :], tl.load(src + cols[None, :], mask=mask), mask=mask)
+        pos = tl.load(pos_ptr + rows // H, mask=row_ok, other=0).to(tl.float32)
+        angle = pos[:, None] * freq[None, :]
+        cos = tl.cos(angle)
+        sin = tl.sin(angle) * sign
+        mask = row_ok[:, None] & pair_ok[None, :]
+        xe = tl.load(src + even[None, :], mask=mask, other=0.0).to(tl.float32)
+        xo = tl.load(src + even[None, :] + 1, mask=mask, other=0.0).to(tl.float32)
+        tl.store(dst + even[None, :], (xe * cos - xo * sin).to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst + even[None, :] + 1, (xo * cos + xe * sin).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def apply_rope_triton(
+    x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False
+) -> torch.Tensor:
+    heads, d, p = (x.shape[1] if x.dim() == 3 else 1), x.shape[-1], inv_freq.numel()
+    x2 = x.reshape(-1, d)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    rows = x2.shape[0]
+    out = torch.empty((rows, d), dtype=x.dtype, device=x.device)
+    if rows > 0:
+        _rope_tuned[lambda meta: runtime.grid(KERNELS[0], triton.cdiv(rows, meta["BLOCK_R"]))](
+            x2,
+            positions.contiguous(),
+            inv_freq.contiguous(),
+            out,
+            rows,
+            heads,
+            d,
+            p,
+            x2.stride(0),
+            -1.0 if inverse else 1.0,
+            HALF=triton.next_power_of_2(p),
+        )
+    return out.view(x.shape)
+
+
+_HALF = 32  # rope_dim 64 in every release
+
+
+def _ub_bytes(block_r: int, block_d: int) -> int:
+    # The copied NoPE tile, then angle, cos, sin, two inputs and two outputs per rope pair.
+    return 4 * (block_r * block_d + 7 * block_r * _HALF + _HALF)
+
+
+_CONFIGS = tuple(
+    TuneConfig({"BLOCK_R": br, "BLOCK_D": bd}, _ub_bytes(br, bd))
+    for br, bd in ((4, 512), (16, 512), (64, 128))
+)
+_rope_tuned = runtime.autotune(_CONFIGS, key=["D", "HALF"])(_rope_kernel)
+
+
+def _signature(x: str, pos: str) -> dict[str, str]:
+    ints = dict.fromkeys(("R", "H", "D", "P", "stride_x"), "i32")
+    return {"x_ptr": x, "pos_ptr": pos, "freq_ptr": "*fp32", "out_ptr": x, **ints, "sign": "fp32"}
+
+
+KERNELS: tuple[KernelSpec, ...] = (
+    KernelSpec(
+        _rope_kernel,
+        signatures=tuple(_signature(x, pos) for x in ("*fp32", "*bf16") for pos in ("*i64", "*i32")),
+        configs=_CONFIGS,
+        constexprs={"HALF": _HALF},
+    ),
+)
