@@ -31,15 +31,23 @@ BOS_ID, EOS_ID, PAD_ID = 0, 1, 2
 USER, ASSISTANT, LATEST_REMINDER = "<｜User｜>", "<｜Assistant｜>", "<｜latest_reminder｜>"
 THINK_START, THINK_END = "<think>", "</think>"
 TASK_TOKENS = (
-    "<｜action｜>", "<｜query｜>", "<｜authority｜>", "<｜domain｜>", "<｜title｜>", "<｜read_url｜>"
+    "<｜action｜>",
+    "<｜query｜>",
+    "<｜authority｜>",
+    "<｜domain｜>",
+    "<｜title｜>",
+    "<｜read_url｜>",
 )
 DSML = "｜DSML｜"
 # The tags of §11.1 as whole tokens; the bare marker covers any other use (e.g. the `<｜DSML｜tool_calls`
 # detection prefix), and leftmost-longest matching makes the whole tags win where they apply.
 DSML_TAGS = (
-    f"<{DSML}tool_calls>", f"</{DSML}tool_calls>",
-    f"<{DSML}invoke", f"</{DSML}invoke>",  # the opening tags continue with ` name="..."`
-    f"<{DSML}parameter", f"</{DSML}parameter>",
+    f"<{DSML}tool_calls>",
+    f"</{DSML}tool_calls>",
+    f"<{DSML}invoke",
+    f"</{DSML}invoke>",  # the opening tags continue with ` name="..."`
+    f"<{DSML}parameter",
+    f"</{DSML}parameter>",
 )
 TOOL_RESULT_START, TOOL_RESULT_END = "<tool_result>", "</tool_result>"
 NOISE = "<｜noise｜>"
@@ -65,10 +73,12 @@ def build_tokenizer(corpus_path: str | Path = CORPUS_PATH) -> Tokenizer:
     """Train the project tokenizer from the corpus; deterministic for a given `tokenizers` version."""
     tok = Tokenizer(models.BPE())
     # Digits in groups of at most three as in the official tokenizer, so numbers do not eat the vocabulary.
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(r"\p{N}{1,3}"), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(r"\p{N}{1,3}"), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=VOCAB_SIZE - len(_TAIL),

@@ -21,18 +21,37 @@ from model.tokenizer import (
 
 # Spelled out here rather than imported, so a typo in the module's constants cannot pass unnoticed.
 SPECIAL = [
-    "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>", "<｜User｜>", "<｜Assistant｜>",
-    "<｜latest_reminder｜>", "<｜action｜>", "<｜query｜>", "<｜authority｜>", "<｜domain｜>",
-    "<｜title｜>", "<｜read_url｜>", "<｜noise｜>",
+    "<｜begin▁of▁sentence｜>",
+    "<｜end▁of▁sentence｜>",
+    "<｜▁pad▁｜>",
+    "<｜User｜>",
+    "<｜Assistant｜>",
+    "<｜latest_reminder｜>",
+    "<｜action｜>",
+    "<｜query｜>",
+    "<｜authority｜>",
+    "<｜domain｜>",
+    "<｜title｜>",
+    "<｜read_url｜>",
+    "<｜noise｜>",
 ]
 KEPT = [
-    "<think>", "</think>", "｜DSML｜", "<｜DSML｜tool_calls>", "</｜DSML｜tool_calls>", "<｜DSML｜invoke",
-    "</｜DSML｜invoke>", "<｜DSML｜parameter", "</｜DSML｜parameter>", "<tool_result>", "</tool_result>",
+    "<think>",
+    "</think>",
+    "｜DSML｜",
+    "<｜DSML｜tool_calls>",
+    "</｜DSML｜tool_calls>",
+    "<｜DSML｜invoke",
+    "</｜DSML｜invoke>",
+    "<｜DSML｜parameter",
+    "</｜DSML｜parameter>",
+    "<tool_result>",
+    "</tool_result>",
 ]
 TOOL_CALL = (
-    "Let me check.\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"get_weather\">\n"
-    "<｜DSML｜parameter name=\"city\" string=\"true\">Paris</｜DSML｜parameter>\n"
-    "<｜DSML｜parameter name=\"days\" string=\"false\">[1, 2]</｜DSML｜parameter>\n"
+    'Let me check.\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="get_weather">\n'
+    '<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>\n'
+    '<｜DSML｜parameter name="days" string="false">[1, 2]</｜DSML｜parameter>\n'
     "</｜DSML｜invoke>\n</｜DSML｜tool_calls><｜end▁of▁sentence｜>"
 )
 TEXTS = [
@@ -45,7 +64,7 @@ TEXTS = [
     "3.14159 -42 1e-6 0x1F 123456789012345678901234567890 2024-06-15T12:00:00Z",
     "control \x00\x01\x7f\x1b[0m and byte-level look-alikes Ġ Ċ ĉ Ā ÿ ▁ ｜ <｜ ｜> <｜User <｜DSML｜invoke>",
     "<｜begin▁of▁sentence｜><｜User｜>Hi<｜Assistant｜><think>hmm</think>Hello!<｜end▁of▁sentence｜>",
-    "<｜User｜><tool_result>{\"temp\": 21}</tool_result>\n\n<tool_result>ok</tool_result>"
+    '<｜User｜><tool_result>{"temp": 21}</tool_result>\n\n<tool_result>ok</tool_result>'
     "<｜Assistant｜></think>",
     TOOL_CALL,
 ]
@@ -80,8 +99,14 @@ def test_chat_string_is_one_token(tok: TextTokenizer, token: str):
 
 def test_tool_call_tags_tokenize_consistently(tok: TextTokenizer):
     ids = tok.encode(TOOL_CALL)
-    for tag, count in [("<｜DSML｜tool_calls>", 1), ("<｜DSML｜invoke", 1), ("<｜DSML｜parameter", 2),
-                       ("</｜DSML｜parameter>", 2), ("</｜DSML｜invoke>", 1), ("</｜DSML｜tool_calls>", 1)]:
+    for tag, count in [
+        ("<｜DSML｜tool_calls>", 1),
+        ("<｜DSML｜invoke", 1),
+        ("<｜DSML｜parameter", 2),
+        ("</｜DSML｜parameter>", 2),
+        ("</｜DSML｜invoke>", 1),
+        ("</｜DSML｜tool_calls>", 1),
+    ]:
         assert ids.count(TOKEN_IDS[tag]) == count, tag
     # The parser's detection prefix and any other use of the marker share the bare marker's id.
     for text in ["\n\n<｜DSML｜tool_calls", "<｜DSML｜function_calls>", "x｜DSML｜y"]:
@@ -114,13 +139,16 @@ def test_encode_add_bos(tok: TextTokenizer):
     assert tok.encode("hi", add_bos=True) == [0, *tok.encode("hi")]
 
 
-@pytest.mark.parametrize("bad, message", [
-    (-1, "token id -1 at position 1 is outside [0, 4096)"),
-    (4096, "token id 4096 at position 1 is outside [0, 4096)"),
-    (2**40, f"token id {2**40} at position 1 is outside [0, 4096)"),
-    (1.0, "token id 1.0 at position 1 is not an integer"),
-    ("7", "token id '7' at position 1 is not an integer"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (-1, "token id -1 at position 1 is outside [0, 4096)"),
+        (4096, "token id 4096 at position 1 is outside [0, 4096)"),
+        (2**40, f"token id {2**40} at position 1 is outside [0, 4096)"),
+        (1.0, "token id 1.0 at position 1 is not an integer"),
+        ("7", "token id '7' at position 1 is not an integer"),
+    ],
+)
 def test_decode_rejects_bad_ids(tok: TextTokenizer, bad: object, message: str):
     with pytest.raises(ValueError) as err:
         tok.decode([5, bad, 6])
@@ -166,4 +194,5 @@ def test_write_tokenizer(tmp_path, tok: TextTokenizer):
     for text in TEXTS:
         assert hf.encode(text) == tok.encode(text)
         assert hf.decode(tok.encode(text), skip_special_tokens=True) == tok.decode(
-            tok.encode(text), skip_special_tokens=True)
+            tok.encode(text), skip_special_tokens=True
+        )

@@ -1,0 +1,178 @@
+"""V4 attention: shared-KV MQA over a sliding window plus compressed entries, with sink.
+
+Every layer attends to its own window keys; CSA layers add the compressed entries picked by
+their lightning indexer, HCA layers every visible compressed entry (model-spec §4). The core
+attention takes index tensors (``-1`` = invalid) into KV pools, the contract of the sparse
+attention kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from model.compressor import Compressor, CompressorState
+from model.config import ModelConfig
+from model.layers import RMSNorm, linear
+from model.plan import Attention as Kind
+from model.plan import LayerPlan
+from triton_kernels.rmsnorm import rms_norm
+from triton_kernels.rope import apply_rope
+
+
+@dataclass
+class AttentionState:
+    """Per-request state of one layer across calls."""
+
+    window: torch.Tensor  # [<= W-1, d]: keys of the latest positions, oldest first
+    compressor: CompressorState | None = None
+    indexer: CompressorState | None = None
+
+
+@dataclass(frozen=True)
+class Positions:
+    """Positions of the tokens of one call; ``start`` is the count of earlier tokens."""
+
+    start: int
+    values: torch.Tensor  # [S] int64, start .. start+S-1
+
+    def visible_entries(self, ratio: int) -> torch.Tensor:
+        """Compressed entry g is visible at position t iff g < floor((t+1)/ratio)."""
+        return (self.values + 1) // ratio
+
+
+class Indexer(nn.Module):
+    """Lightning indexer of a CSA layer: its own compressor over ``x`` and a ReLU-weighted scorer."""
+
+    def __init__(self, cfg: ModelConfig, plan: LayerPlan):
+        super().__init__()
+        self.heads, self.dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
+        self.wq_b = linear(cfg.q_lora_rank, self.heads * self.dim)
+        self.weights_proj = linear(cfg.hidden_size, self.heads)
+        self.compressor = Compressor(cfg.hidden_size, self.dim, plan.compress_ratio, True, cfg.rms_norm_eps)
+
+    def scores(
+        self,
+        x: torch.Tensor,
+        q_r: torch.Tensor,
+        pos: Positions,
+        inv_freq: torch.Tensor,
+        state: CompressorState | None,
+    ) -> torch.Tensor:
+        """``S(t, j) = Σ_h w_h·ReLU(q_h·K_j)``, ``-inf`` where entry j is not visible: ``[S, E]``."""
+        keys = self.compressor(x, inv_freq, state)
+        q = apply_rope(self.wq_b(q_r).view(-1, self.heads, self.dim), pos.values, inv_freq)
+        weights = self.weights_proj(x).float() * self.heads**-0.5
+        logits = torch.relu(torch.einsum("shd,ed->she", q.float(), keys.float())) * self.dim**-0.5
+        scores = (logits * weights[..., None]).sum(dim=1)
+        hidden = (
+            torch.arange(keys.shape[0], device=x.device)
+            >= pos.visible_entries(self.compressor.ratio)[:, None]
+        )
+        return scores.masked_fill(hidden, float("-inf"))
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        q_r: torch.Tensor,
+        pos: Positions,
+        inv_freq: torch.Tensor,
+        state: CompressorState | None,
+    ) -> torch.Tensor:
+        """Indices of the top-k visible entries per query, ``-1`` for unreachable picks: ``[S, k]``."""
+        scores = self.scores(x, q_r, pos, inv_freq, state)
+        picked = scores.topk(min(self.topk, scores.shape[1]), dim=-1).indices
+        unreachable = picked >= pos.visible_entries(self.compressor.ratio)[:, None]
+        return picked.masked_fill(unreachable, -1)
+
+
+class V4Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, plan: LayerPlan):
+        super().__init__()
+        self.plan = plan
+        self.heads, self.head_dim, self.groups = cfg.num_attention_heads, cfg.head_dim, cfg.o_groups
+        self.window, self.eps = cfg.sliding_window, cfg.rms_norm_eps
+        self.wq_a = linear(cfg.hidden_size, cfg.q_lora_rank)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.wq_b = linear(cfg.q_lora_rank, self.heads * self.head_dim)
+        self.wkv = linear(cfg.hidden_size, self.head_dim)
+        self.kv_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.wo_a = linear(self.heads * self.head_dim // self.groups, self.groups * cfg.o_lora_rank)
+        self.wo_b = linear(self.groups * cfg.o_lora_rank, cfg.hidden_size)
+        self.attn_sink = nn.Parameter(torch.empty(self.heads))
+        if plan.attention is not Kind.SLIDING:
+            self.compressor = Compressor(
+                cfg.hidden_size, self.head_dim, plan.compress_ratio, plan.overlap, cfg.rms_norm_eps
+            )
+        if plan.has_indexer:
+            self.indexer = Indexer(cfg, plan)
+
+    def new_state(self, device: torch.device) -> AttentionState:
+        state = AttentionState(window=torch.zeros(0, self.head_dim, device=device))
+        if self.plan.attention is not Kind.SLIDING:
+            state.compressor = self.compressor.new_state(device)
+        if self.plan.has_indexer:
+            state.indexer = self.indexer.compressor.new_state(device)
+        return state
+
+    def forward(
+        self, x: torch.Tensor, pos: Positions, inv_freq: torch.Tensor, state: AttentionState | None
+    ) -> torch.Tensor:
+        seq = x.shape[0]
+        q_r = self.q_norm(self.wq_a(x))
+        q = rms_norm(self.wq_b(q_r).view(seq, self.heads, self.head_dim), None, self.eps)
+        q = apply_rope(q, pos.values, inv_freq)
+        kv = apply_rope(self.kv_norm(self.wkv(x)), pos.values, inv_freq)
+
+        past = state.window if state is not None else kv.new_zeros(0, self.head_dim)
+        window_pool = torch.cat([past, kv])
+        offsets = (
+            past.shape[0]
+            + torch.arange(seq, device=x.device)[:, None]
+            - torch.arange(self.window, device=x.device)
+        )
+        pools = [(window_pool, offsets.masked_fill(offsets < 0, -1))]
+        if state is not None:
+            state.window = window_pool[max(0, window_pool.shape[0] - (self.window - 1)) :]
+
+        if self.plan.attention is not Kind.SLIDING:
+            entries = self.compressor(x, inv_freq, state.compressor if state is not None else None)
+            if self.plan.has_indexer:
+                picked = self.indexer(x, q_r, pos, inv_freq, state.indexer if state is not None else None)
+            else:
+                picked = torch.arange(entries.shape[0], device=x.device).expand(seq, -1)
+                picked = picked.masked_fill(
+                    picked >= pos.visible_entries(self.plan.compress_ratio)[:, None], -1
+                )
+            pools.append((entries, picked))
+
+        out = sparse_attention(q, pools, self.attn_sink, self.head_dim**-0.5)
+        out = apply_rope(out, pos.values, inv_freq, inverse=True)  # values carry rope: de-rotate at the query
+        return self.wo_b(self._grouped_wo_a(out))
+
+    def _grouped_wo_a(self, out: torch.Tensor) -> torch.Tensor:
+        """Group g of H/G heads is projected by row block g of ``wo_a`` only."""
+        grouped = out.reshape(out.shape[0], self.groups, -1)
+        weight = self.wo_a.weight.view(self.groups, -1, grouped.shape[-1])
+        return torch.einsum("tgi,goi->tgo", grouped, weight).flatten(1)
+
+
+def sparse_attention(
+    q: torch.Tensor, pools: list[tuple[torch.Tensor, torch.Tensor]], sink: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Shared-KV attention with a per-head sink over gathered keys.
+
+    ``q [T, H, D]``; each pool is ``(kv [N, D], indices [T, K])`` with ``-1`` = invalid; keys are
+    also the values. The sink only enlarges the softmax denominator. Returns ``[T, H, D]``.
+    """
+    keys, logits = [], []
+    for kv, idx in pools:
+        gathered = kv[idx.clamp(min=0)].float()  # [T, K, D]
+        score = torch.einsum("thd,tkd->thk", q.float(), gathered) * scale
+        logits.append(score.masked_fill((idx < 0)[:, None, :], float("-inf")))
+        keys.append(gathered)
+    logits.append(sink.float().view(1, -1, 1).expand(q.shape[0], -1, 1))
+    probs = torch.cat(logits, dim=-1).softmax(dim=-1)[..., :-1]
+    return torch.einsum("thk,tkd->thd", probs, torch.cat(keys, dim=1)).to(q.dtype)

@@ -1,0 +1,95 @@
+"""Load a checkpoint in the official naming: single or sharded safetensors, FP8 dequantised on load.
+
+Loading is strict: a missing, unexpected or mis-shaped tensor is an error that lists every name.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from model.config import ModelConfig
+from model.deepseek_v4 import DeepseekV4
+from model.quant import dequantize_fp8
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+# Kept in fp32 whatever the compute dtype: mHC, sinks, compressor position bias, gate bias, norms.
+_FP32 = re.compile(r"(hc_\w+|attn_sink|\.ape|gate\.bias|norm\.weight)$")
+
+
+def read_tensors(path: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint folder, as stored."""
+    path = Path(path)
+    if (path / INDEX_FILE).exists():
+        weight_map = json.loads((path / INDEX_FILE).read_text())["weight_map"]
+        files = sorted(set(weight_map.values()))
+    elif (path / SINGLE_FILE).exists():
+        files = [SINGLE_FILE]
+    else:
+        raise ValueError(f"no {SINGLE_FILE} or {INDEX_FILE} in {path}")
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        with safe_open(path / file, framework="pt") as f:
+            for name in f.keys():
+                if name in tensors:
+                    raise ValueError(f"tensor {name} appears in more than one shard")
+                tensors[name] = f.get_tensor(name)
+    return tensors
+
+
+def dequantize(
+    tensors: dict[str, torch.Tensor], block: int | None, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """Fold each FP8 ``X.weight`` with its ``X.scale`` into one ``dtype`` weight."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        if name.endswith(".scale") and name.removesuffix(".scale") + ".weight" in tensors:
+            continue
+        if t.dtype == torch.float8_e4m3fn:
+            scale = tensors.get(name.removesuffix(".weight") + ".scale")
+            if scale is None or block is None:
+                raise ValueError(
+                    f"FP8 tensor {name} has no sibling .scale or the config has no "
+                    "quantization_config.weight_block_size"
+                )
+            t = dequantize_fp8(t, scale, block, dtype)
+        elif t.is_floating_point():
+            t = t.to(torch.float32 if _FP32.search(name) else dtype)
+        out[name] = t
+    return out
+
+
+def load_model(
+    path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> DeepseekV4:
+    cfg = ModelConfig.from_file(path)
+    with torch.device("meta"):
+        model = DeepseekV4(cfg)
+    weights = dequantize(read_tensors(path), cfg.fp8_block, dtype)
+    check_names(model.checkpoint_names(), weights)
+    model = model.to_empty(device=device)
+    model.load_official(weights)
+    model.init_rope()
+    return model.eval()
+
+
+def check_names(expected: dict[str, tuple[int, ...]], weights: dict[str, torch.Tensor]) -> None:
+    missing = sorted(set(expected) - set(weights))
+    unexpected = sorted(set(weights) - set(expected))
+    misshaped = sorted(
+        f"{n} {tuple(weights[n].shape)} != {expected[n]}"
+        for n in set(expected) & set(weights)
+        if tuple(weights[n].shape) != expected[n]
+    )
+    problems = [
+        f"{label}: {', '.join(names)}"
+        for label, names in (("missing", missing), ("unexpected", unexpected), ("mis-shaped", misshaped))
+        if names
+    ]
+    if problems:
+        raise ValueError("checkpoint does not match the model; " + "; ".join(problems))

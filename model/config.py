@@ -1,0 +1,296 @@
+"""Model configuration parsed from a checkpoint's ``config.json`` and validated at load.
+
+Accepts the Hugging Face naming (``deepseek_v4``, optionally wrapped in ``text_config``), the
+legacy fields of the official release (``compress_ratios``, ``num_hash_layers``,
+``qk_rope_head_dim``) and the official ``inference/config.json`` names (``dim``, ``n_layers``...).
+Every cross-field contract fails here, naming the field, instead of at the first request.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from triton_kernels.rope import Yarn
+
+# Names used by the official ``inference/config.json`` -> our (Hugging Face) names.
+_OFFICIAL_NAMES = {
+    "dim": "hidden_size",
+    "n_layers": "num_hidden_layers",
+    "n_heads": "num_attention_heads",
+    "moe_inter_dim": "moe_intermediate_size",
+    "n_routed_experts": "n_routed_experts",
+    "n_activated_experts": "num_experts_per_tok",
+    "route_scale": "routed_scaling_factor",
+    "score_func": "scoring_func",
+    "norm_eps": "rms_norm_eps",
+    "window_size": "sliding_window",
+    "rope_head_dim": "qk_rope_head_dim",
+    "n_hash_layers": "num_hash_layers",
+    "n_mtp_layers": "num_nextn_predict_layers",
+}
+_LAYER_TYPE_RATIO = {
+    "sliding_attention": 0,
+    "compressed_sparse_attention": 4,
+    "heavily_compressed_attention": 128,
+}
+V4_RATIOS = (0, 4, 128)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    head_dim: int
+    qk_rope_head_dim: int
+    q_lora_rank: int
+    o_groups: int
+    o_lora_rank: int
+    sliding_window: int
+    compress_ratios: tuple[int, ...]
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    n_routed_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    rope_theta: float = 10000.0
+    compress_rope_theta: float = 160000.0
+    rope_scaling: Yarn | None = None
+    max_position_embeddings: int = 1048576
+    num_key_value_heads: int = 1
+    hc_mult: int = 4
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
+    n_shared_experts: int = 1
+    scoring_func: str = "sqrtsoftplus"
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    num_hash_layers: int = 0
+    swiglu_limit: float = 10.0
+    hidden_act: str = "silu"
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    num_nextn_predict_layers: int = 0
+    gate_temp: float = 1.0
+    bos_token_id: int = 0
+    eos_token_id: int = 1
+    quantization_config: dict[str, Any] | None = field(default=None, compare=False)
+
+    @property
+    def mix_width(self) -> int:
+        """Width of an mHC projection: pre (n) + post (n) + comb (n*n)."""
+        return (2 + self.hc_mult) * self.hc_mult
+
+    @property
+    def num_layers_with_draft(self) -> int:
+        return self.num_hidden_layers + self.num_nextn_predict_layers
+
+    @property
+    def fp8_block(self) -> int | None:
+        q = self.quantization_config
+        return int(q["weight_block_size"][0]) if q else None
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+        return _parse(raw)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> ModelConfig:
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        try:
+            raw = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"cannot read model config {path}: {e}") from e
+        return cls.from_dict(raw)
+
+
+def _parse(raw: dict[str, Any]) -> ModelConfig:
+    if not isinstance(raw, dict):
+        raise ValueError(f"config must be a JSON object, got {type(raw).__name__}")
+    top = raw
+    if isinstance(raw.get("text_config"), dict):
+        raw = {**{k: v for k, v in top.items() if k != "text_config"}, **raw["text_config"]}
+    raw = {_OFFICIAL_NAMES.get(k, k): v for k, v in raw.items()}
+    model_type = raw.get("model_type", "deepseek_v4")
+    if model_type != "deepseek_v4":
+        raise ValueError(f"config field model_type={model_type!r} is not supported (expected 'deepseek_v4')")
+    raw["model_type"] = model_type
+    _fold_transformers_fields(raw)
+
+    known = {f.name: f for f in fields(ModelConfig)}
+    values: dict[str, Any] = {}
+    for name, f in known.items():
+        if name not in raw:
+            if f.default is f.default_factory:  # dataclasses.MISSING for both: required field
+                raise ValueError(f"config is missing the required field {name!r}")
+            continue
+        values[name] = _coerce(name, raw[name], f.type)
+    values["compress_ratios"] = _ratios(raw.get("compress_ratios"), values)
+    values["rope_scaling"] = _yarn(raw.get("rope_scaling"))
+    cfg = ModelConfig(**values)
+    _validate(cfg)
+    return cfg
+
+
+def _fold_transformers_fields(raw: dict[str, Any]) -> None:
+    """Translate transformers' modern fields and check they agree with the legacy ones."""
+    if "layer_types" in raw:
+        try:
+            ratios = [_LAYER_TYPE_RATIO[t] for t in raw["layer_types"]]
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"config field layer_types has an unknown entry: {e}") from e
+        if "compress_ratios" in raw and list(raw["compress_ratios"])[: len(ratios)] != ratios:
+            raise ValueError("config fields layer_types and compress_ratios disagree")
+        raw.setdefault("compress_ratios", ratios)
+    if "mlp_layer_types" in raw:
+        n_hash = sum(1 for t in raw["mlp_layer_types"] if t == "hash_moe")
+        if list(raw["mlp_layer_types"][:n_hash]) != ["hash_moe"] * n_hash:
+            raise ValueError("config field mlp_layer_types: hash_moe layers must come first")
+        if raw.get("num_hash_layers", n_hash) != n_hash:
+            raise ValueError("config fields mlp_layer_types and num_hash_layers disagree")
+        raw["num_hash_layers"] = n_hash
+    if "partial_rotary_factor" in raw and "head_dim" in raw:
+        rope_dim = int(raw["head_dim"] * raw["partial_rotary_factor"])
+        if raw.get("qk_rope_head_dim", rope_dim) != rope_dim:
+            raise ValueError("config fields partial_rotary_factor and qk_rope_head_dim disagree")
+        raw["qk_rope_head_dim"] = rope_dim
+    params = raw.get("rope_parameters")
+    if isinstance(params, dict) and isinstance(params.get("compress"), dict):
+        raw.setdefault("rope_theta", params.get("main", {}).get("rope_theta", 10000.0))
+        raw.setdefault("compress_rope_theta", params["compress"].get("rope_theta", 160000.0))
+        raw.setdefault("rope_scaling", params["compress"])
+    elif isinstance(params, dict):
+        raw.setdefault("rope_scaling", params)
+
+
+def _coerce(name: str, value: Any, annotation: str) -> Any:
+    kind = annotation.split(" ")[0].split("[")[0]
+    if kind == "int" and not (isinstance(value, int) and not isinstance(value, bool)):
+        raise ValueError(f"config field {name}={value!r} must be an integer")
+    if kind == "float":
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"config field {name}={value!r} must be a number")
+        return float(value)
+    if kind == "bool" and not isinstance(value, bool):
+        raise ValueError(f"config field {name}={value!r} must be true or false")
+    if kind == "str" and not isinstance(value, str):
+        raise ValueError(f"config field {name}={value!r} must be a string")
+    return value
+
+
+def _ratios(value: Any, values: dict[str, Any]) -> tuple[int, ...]:
+    n = values["num_hidden_layers"] + values.get("num_nextn_predict_layers", 0)
+    if value is None:
+        raise ValueError("config is missing the required field 'compress_ratios' (or 'layer_types')")
+    if not isinstance(value, (list, tuple)) or not all(isinstance(r, int) for r in value):
+        raise ValueError(f"config field compress_ratios={value!r} must be a list of integers")
+    bad = [r for r in value if r not in V4_RATIOS]
+    if bad:
+        raise ValueError(f"config field compress_ratios has {bad}; V4 ratios must be in {V4_RATIOS}")
+    return tuple(list(value[:n]) + [0] * max(0, n - len(value)))
+
+
+def _yarn(value: Any) -> Yarn | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValueError(f"config field rope_scaling={value!r} must be an object")
+    kind = value.get("rope_type", value.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind != "yarn":
+        raise ValueError(f"config field rope_scaling type {kind!r} is not supported (only 'yarn')")
+    try:
+        return Yarn(
+            factor=float(value["factor"]),
+            original_max_position_embeddings=int(value["original_max_position_embeddings"]),
+            beta_fast=float(value.get("beta_fast", 32)),
+            beta_slow=float(value.get("beta_slow", 1)),
+        )
+    except KeyError as e:
+        raise ValueError(f"config field rope_scaling is missing {e}") from e
+
+
+def _validate(cfg: ModelConfig) -> None:
+    def need(ok: bool, message: str) -> None:
+        if not ok:
+            raise ValueError(f"config: {message}")
+
+    for name in (
+        "vocab_size",
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "head_dim",
+        "q_lora_rank",
+        "o_groups",
+        "o_lora_rank",
+        "sliding_window",
+        "index_n_heads",
+        "index_head_dim",
+        "index_topk",
+        "n_routed_experts",
+        "num_experts_per_tok",
+        "moe_intermediate_size",
+        "hc_mult",
+        "hc_sinkhorn_iters",
+    ):
+        need(getattr(cfg, name) > 0, f"{name}={getattr(cfg, name)} must be positive")
+    need(
+        cfg.num_key_value_heads == 1, f"num_key_value_heads={cfg.num_key_value_heads} must be 1 (shared K=V)"
+    )
+    need(
+        0 < cfg.qk_rope_head_dim <= cfg.head_dim and cfg.qk_rope_head_dim % 2 == 0,
+        f"qk_rope_head_dim={cfg.qk_rope_head_dim} must be even and in (0, head_dim={cfg.head_dim}]",
+    )
+    need(
+        cfg.qk_rope_head_dim <= cfg.index_head_dim,
+        f"qk_rope_head_dim={cfg.qk_rope_head_dim} exceeds index_head_dim={cfg.index_head_dim}",
+    )
+    need(
+        cfg.num_attention_heads % cfg.o_groups == 0,
+        f"num_attention_heads={cfg.num_attention_heads} is not a multiple of o_groups={cfg.o_groups}",
+    )
+    need(
+        cfg.num_experts_per_tok <= cfg.n_routed_experts,
+        f"num_experts_per_tok={cfg.num_experts_per_tok} exceeds n_routed_experts={cfg.n_routed_experts}",
+    )
+    need(
+        0 <= cfg.num_hash_layers <= cfg.num_hidden_layers,
+        f"num_hash_layers={cfg.num_hash_layers} must be in [0, num_hidden_layers={cfg.num_hidden_layers}]",
+    )
+    need(cfg.n_shared_experts in (0, 1), f"n_shared_experts={cfg.n_shared_experts} must be 0 or 1")
+    need(cfg.scoring_func == "sqrtsoftplus", f"scoring_func={cfg.scoring_func!r} is not supported")
+    need(cfg.hidden_act == "silu", f"hidden_act={cfg.hidden_act!r} is not supported")
+    need(not cfg.tie_word_embeddings, "tie_word_embeddings=true is not supported by DeepSeek V4")
+    need(cfg.rms_norm_eps > 0 and cfg.hc_eps > 0, "rms_norm_eps and hc_eps must be positive")
+    need(cfg.gate_temp > 0, f"gate_temp={cfg.gate_temp} must be positive")
+    for name in ("bos_token_id", "eos_token_id"):
+        need(
+            0 <= getattr(cfg, name) < cfg.vocab_size,
+            f"{name}={getattr(cfg, name)} is outside the vocabulary [0, {cfg.vocab_size})",
+        )
+    for layer in range(cfg.num_hidden_layers, cfg.num_layers_with_draft):
+        need(
+            cfg.compress_ratios[layer] == 0,
+            f"compress_ratios[{layer}]={cfg.compress_ratios[layer]}: draft layers must be sliding-only (0)",
+        )
+    q = cfg.quantization_config
+    if q is not None:
+        block = q.get("weight_block_size") if isinstance(q, dict) else None
+        need(
+            isinstance(block, list) and len(block) == 2 and block[0] == block[1] and block[0] > 0,
+            f"quantization_config.weight_block_size={block!r} must be [B, B] with B > 0",
+        )
+        need(
+            q.get("quant_method", "fp8") == "fp8",
+            f"quantization_config.quant_method={q.get('quant_method')!r} is not supported (only 'fp8')",
+        )

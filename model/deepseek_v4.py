@@ -1,0 +1,196 @@
+"""DeepSeek V4: embedding, blocks with classic mHC, ``hc_head``, head (model-spec §3.1).
+
+Module attribute names are the official checkpoint names, so ``state_dict()`` keys are exactly
+the tensors a checkpoint holds (``layers.N.attn.wq_a.weight``, ``mtp.0.e_proj.weight``...).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from model.attention import AttentionState, Positions, V4Attention
+from model.config import ModelConfig
+from model.layers import RMSNorm, linear
+from model.moe import MoE
+from model.plan import LayerPlan, Rope, build_plan
+from triton_kernels.mhc import hc_coeffs, hc_collapse, hc_head_coeffs, hc_update
+from triton_kernels.rope import rope_inv_freq
+
+
+@dataclass
+class SequenceState:
+    """Incremental state of one request: tokens seen and each layer's attention state."""
+
+    num_tokens: int
+    layers: list[AttentionState]
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, plan: LayerPlan):
+        super().__init__()
+        self.cfg, self.plan = cfg, plan
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = V4Attention(cfg, plan)
+        self.ffn = MoE(cfg, plan)
+        width, streams = cfg.mix_width, cfg.hc_mult * cfg.hidden_size
+        for site in ("attn", "ffn"):
+            setattr(self, f"hc_{site}_fn", nn.Parameter(torch.empty(width, streams)))
+            setattr(self, f"hc_{site}_base", nn.Parameter(torch.empty(width)))
+            setattr(self, f"hc_{site}_scale", nn.Parameter(torch.empty(3)))
+
+    def _coeffs(self, x: torch.Tensor, site: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return hc_coeffs(
+            x,
+            getattr(self, f"hc_{site}_fn"),
+            getattr(self, f"hc_{site}_base"),
+            getattr(self, f"hc_{site}_scale"),
+            norm_eps=self.cfg.rms_norm_eps,
+            hc_eps=self.cfg.hc_eps,
+            sinkhorn_iters=self.cfg.hc_sinkhorn_iters,
+        )
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        ids: torch.Tensor,
+        pos: Positions,
+        inv_freq: torch.Tensor,
+        state: AttentionState | None,
+    ) -> torch.Tensor:
+        """``x [S, n, D]`` streams in and out."""
+        pre, post, comb = self._coeffs(x, "attn")
+        a = self.attn(self.attn_norm(hc_collapse(x, pre)), pos, inv_freq, state)
+        x = hc_update(x, a, post, comb)
+        pre, post, comb = self._coeffs(x, "ffn")
+        f = self.ffn(self.ffn_norm(hc_collapse(x, pre)), ids)
+        return hc_update(x, f, post, comb)
+
+
+class HcHead(nn.Module):
+    """Learned final collapse of the streams (no Sinkhorn)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.hc_head_fn = nn.Parameter(torch.empty(cfg.hc_mult, cfg.hc_mult * cfg.hidden_size))
+        self.hc_head_base = nn.Parameter(torch.empty(cfg.hc_mult))
+        self.hc_head_scale = nn.Parameter(torch.empty(1))
+
+    def collapse(self, x: torch.Tensor) -> torch.Tensor:
+        pre = hc_head_coeffs(
+            x,
+            self.hc_head_fn,
+            self.hc_head_base,
+            self.hc_head_scale,
+            norm_eps=self.cfg.rms_norm_eps,
+            hc_eps=self.cfg.hc_eps,
+        )
+        return hc_collapse(x, pre)
+
+
+class MtpLayer(Block):
+    """The V4 MTP draft block: a sliding-only block plus its input projections and ``hc_head``.
+
+    Its parameters are loaded with the backbone; speculative decoding drives it.
+    """
+
+    def __init__(self, cfg: ModelConfig, plan: LayerPlan):
+        super().__init__(cfg, plan)
+        self.e_proj, self.h_proj = (
+            linear(cfg.hidden_size, cfg.hidden_size),
+            linear(cfg.hidden_size, cfg.hidden_size),
+        )
+        self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hc_head = HcHead(cfg)
+
+
+class DeepseekV4(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.plan = build_plan(cfg)
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        backbone = [p for p in self.plan if not p.is_draft]
+        self.layers = nn.ModuleList(Block(cfg, p) for p in backbone)
+        self.mtp = nn.ModuleList(MtpLayer(cfg, p) for p in self.plan if p.is_draft)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.head = linear(cfg.hidden_size, cfg.vocab_size)
+        self.hc_head = HcHead(cfg)
+        self.register_buffer("main_inv_freq", torch.empty(cfg.qk_rope_head_dim // 2), persistent=False)
+        self.register_buffer("compress_inv_freq", torch.empty(cfg.qk_rope_head_dim // 2), persistent=False)
+        self.init_rope()
+
+    def init_rope(self) -> None:
+        """Fill the rope frequency buffers (again after the model is materialised from ``meta``)."""
+        if self.main_inv_freq.is_meta:
+            return
+        cfg = self.cfg
+        self.main_inv_freq.copy_(rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta, None))
+        self.compress_inv_freq.copy_(
+            rope_inv_freq(cfg.qk_rope_head_dim, cfg.compress_rope_theta, cfg.rope_scaling)
+        )
+
+    def checkpoint_names(self) -> dict[str, tuple[int, ...]]:
+        """Official tensor names and their shapes, as this model loads them."""
+        return {_official(name): tuple(t.shape) for name, t in self.state_dict().items()}
+
+    def load_official(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.load_state_dict({_internal(name): t for name, t in tensors.items()}, strict=True)
+
+    def new_state(self) -> SequenceState:
+        device = self.embed.weight.device
+        return SequenceState(0, [layer.attn.new_state(device) for layer in self.layers])
+
+    def inv_freq(self, rope: Rope) -> torch.Tensor:
+        return self.main_inv_freq if rope is Rope.MAIN else self.compress_inv_freq
+
+    def hidden_streams(self, ids: torch.Tensor, state: SequenceState | None = None) -> torch.Tensor:
+        """Backbone streams before ``hc_head`` (the MTP input): ``[S, n, D]``.
+
+        Without a state ``ids`` is a whole sequence from position 0 (cache-free path); with one,
+        ``ids`` continues the request and the state advances.
+        """
+        self._check_ids(ids)
+        start = state.num_tokens if state is not None else 0
+        pos = Positions(start, torch.arange(start, start + ids.shape[0], device=ids.device))
+        x = self.embed(ids)[:, None, :].expand(-1, self.cfg.hc_mult, -1).contiguous()
+        for i, layer in enumerate(self.layers):
+            x = layer(
+                x, ids, pos, self.inv_freq(layer.plan.rope), state.layers[i] if state is not None else None
+            )
+        if state is not None:
+            state.num_tokens += ids.shape[0]
+        return x
+
+    def logits(self, streams: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.hc_head.collapse(streams))).float()
+
+    def forward(self, ids: torch.Tensor, state: SequenceState | None = None) -> torch.Tensor:
+        """Logits ``[S, V]`` (fp32) for token ids ``[S]``."""
+        return self.logits(self.hidden_streams(ids, state))
+
+    def _check_ids(self, ids: torch.Tensor) -> None:
+        if ids.dim() != 1 or ids.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"token ids must be a 1-D integer tensor, got {ids.dtype} {tuple(ids.shape)}")
+        if ids.numel() == 0:
+            raise ValueError("token ids are empty: at least one token is required")
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= self.cfg.vocab_size:
+            bad = low if low < 0 else high
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.cfg.vocab_size})")
+
+
+# The official names put the ``hc_head_*`` tensors directly on the model (and on ``mtp.0``).
+def _official(name: str) -> str:
+    return re.sub(r"(^|\.)hc_head\.", r"\1", name)
+
+
+def _internal(name: str) -> str:
+    return re.sub(r"(^|\.)hc_head_", r"\1hc_head.hc_head_", name)

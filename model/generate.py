@@ -1,0 +1,65 @@
+"""Greedy continuation of a prompt: ``python -m model.generate [--model DIR] --prompt TEXT``.
+
+Without ``--model`` a tiny random V4 checkpoint is written (once) and used, so the output is
+well-formed gibberish: the point is the whole path from tokenizer to logits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+import torch
+
+from model.checkpoint import load_model
+from model.deepseek_v4 import DeepseekV4
+from model.tiny import write_tiny
+from model.tokenizer import load_tokenizer
+
+
+@torch.no_grad()
+def greedy(model: DeepseekV4, prompt: list[int], max_new_tokens: int, use_cache: bool = True) -> list[int]:
+    """Greedy tokens after ``prompt``; stops early at EOS.
+
+    ``use_cache=False`` recomputes the whole sequence every step (the cache-free path).
+    """
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be non-negative")
+    state = model.new_state() if use_cache else None
+    tokens, out = list(prompt), []
+    step = torch.tensor(tokens)
+    for _ in range(max_new_tokens):
+        logits = model(step, state) if use_cache else model(torch.tensor(tokens))
+        token = int(logits[-1].argmax())
+        out.append(token)
+        tokens.append(token)
+        if token == model.cfg.eos_token_id:
+            break
+        step = torch.tensor([token])
+    return out
+
+
+def default_model_dir() -> Path:
+    path = Path(tempfile.gettempdir()) / "deepseek-ascend-tiny-v4"
+    if not (path / "config.json").exists():
+        write_tiny(path)
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="checkpoint folder (default: a tiny random V4)")
+    parser.add_argument("--prompt", default="The quick brown fox")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    args = parser.parse_args()
+    path = Path(args.model) if args.model else default_model_dir()
+    model = load_model(path)
+    tokenizer = load_tokenizer(path / "tokenizer.json")
+    prompt = [model.cfg.bos_token_id, *tokenizer.encode(args.prompt, add_special_tokens=False).ids]
+    completion = greedy(model, prompt, args.max_tokens)
+    print(args.prompt + tokenizer.decode(completion))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""Mixture of experts with the sqrtsoftplus router, selection bias, hash routing and a shared expert.
+
+Routing math is fp32. Score-routed layers select with the biased scores and weight with the
+unbiased ones; hash layers (the first ``num_hash_layers``) take their experts from ``tid2eid``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.config import ModelConfig
+from model.layers import linear
+from model.plan import LayerPlan
+
+
+class Expert(nn.Module):
+    """SwiGLU with a one-sided clamp on the gate and a two-sided clamp on the up projection."""
+
+    def __init__(self, hidden: int, inter: int, limit: float):
+        super().__init__()
+        self.limit = limit
+        self.w1, self.w2, self.w3 = linear(hidden, inter), linear(inter, hidden), linear(hidden, inter)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = self.w1(x).float().clamp(max=self.limit)
+        up = self.w3(x).float().clamp(-self.limit, self.limit)
+        return self.w2((F.silu(gate) * up).to(x.dtype))
+
+
+class Gate(nn.Module):
+    def __init__(self, cfg: ModelConfig, plan: LayerPlan, experts: int, top_k: int):
+        super().__init__()
+        self.top_k, self.temp = top_k, cfg.gate_temp
+        self.scaling, self.normalize = cfg.routed_scaling_factor, cfg.norm_topk_prob
+        self.weight = nn.Parameter(torch.empty(experts, cfg.hidden_size))
+        if plan.hash_moe:
+            self.register_buffer("tid2eid", torch.zeros(cfg.vocab_size, top_k, dtype=torch.int64))
+        else:
+            self.bias = nn.Parameter(torch.empty(experts))
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert indices ``[S, k]`` and their weights ``[S, k]`` (fp32)."""
+        scores = torch.sqrt(F.softplus(F.linear(x.float(), self.weight.float()) / self.temp))
+        if hasattr(self, "tid2eid"):
+            picked = self.tid2eid[ids]
+        else:
+            picked = (scores + self.bias.float()).topk(self.top_k, dim=-1).indices
+        weights = scores.gather(1, picked)
+        if self.normalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return picked, weights * self.scaling
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, plan: LayerPlan):
+        super().__init__()
+        experts, top_k = cfg.n_routed_experts, cfg.num_experts_per_tok
+        self.gate = Gate(cfg, plan, experts, top_k)
+        inter, limit = cfg.moe_intermediate_size, cfg.swiglu_limit
+        self.experts = nn.ModuleList(Expert(cfg.hidden_size, inter, limit) for _ in range(experts))
+        self.shared_experts = Expert(cfg.hidden_size, inter, limit) if cfg.n_shared_experts else None
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        picked, weights = self.gate(x, ids)
+        out = torch.zeros_like(x, dtype=torch.float32)
+        for e in picked.unique().tolist():
+            token, slot = torch.where(picked == e)
+            out.index_add_(0, token, self.experts[e](x[token]).float() * weights[token, slot, None])
+        if self.shared_experts is not None:
+            out += self.shared_experts(x).float()
+        return out.to(x.dtype)

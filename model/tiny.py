@@ -1,0 +1,191 @@
+"""Tiny random checkpoints in the official naming, for tests and the default server.
+
+``python -m model.tiny --arch v4 --out DIR [--fp8] [--shards N] [--seed S]`` writes
+``config.json``, safetensors and the project tokenizer. Weights are seeded and deterministic;
+norms, mHC, sinks, ``ape`` and gate biases get non-trivial values (zeros and ones would let an
+implementation that ignores them pass), and one routed expert per layer is scaled so the
+SwiGLU clamp is hit (model-spec §12).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from model.checkpoint import INDEX_FILE, SINGLE_FILE
+from model.config import ModelConfig
+from model.deepseek_v4 import DeepseekV4
+from model.quant import quantize_fp8
+from model.tokenizer import load_tokenizer, write_tokenizer
+
+TOY_V4 = {
+    "architectures": ["DeepseekV4ForCausalLM"],
+    "model_type": "deepseek_v4",
+    "dtype": "float32",
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "hidden_size": 128,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 64,
+    "qk_rope_head_dim": 16,
+    "q_lora_rank": 64,
+    "o_groups": 2,
+    "o_lora_rank": 32,
+    "sliding_window": 32,
+    "compress_ratios": [0, 0, 4, 128, 4, 128, 0],
+    "rope_theta": 10000,
+    "compress_rope_theta": 160000,
+    "rope_scaling": {
+        "type": "yarn",
+        "factor": 16,
+        "original_max_position_embeddings": 65536,
+        "beta_fast": 32,
+        "beta_slow": 1,
+    },
+    "max_position_embeddings": 1048576,
+    "index_n_heads": 32,
+    "index_head_dim": 32,
+    "index_topk": 16,
+    "hc_mult": 4,
+    "hc_sinkhorn_iters": 20,
+    "hc_eps": 1e-06,
+    "n_routed_experts": 8,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 64,
+    "scoring_func": "sqrtsoftplus",
+    "topk_method": "noaux_tc",
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 1.5,
+    "num_hash_layers": 2,
+    "swiglu_limit": 10.0,
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-06,
+    "attention_bias": False,
+    "tie_word_embeddings": False,
+    "num_nextn_predict_layers": 1,
+}
+FP8_CONFIG = {
+    "quant_method": "fp8",
+    "fmt": "e4m3",
+    "activation_scheme": "dynamic",
+    "scale_fmt": "ue8m0",
+    "weight_block_size": [32, 32],
+}
+# Linears stored as FP8 in the official checkpoints (routed experts are FP4 there: left unquantised).
+_FP8_LINEARS = (
+    "attn.wq_a.",
+    "attn.wq_b.",
+    "attn.wkv.",
+    "attn.wo_a.",
+    "attn.wo_b.",
+    "indexer.wq_b.",
+    "shared_experts.",
+    "e_proj.",
+    "h_proj.",
+)
+_CLAMPED_EXPERT = 0  # this expert of every layer is scaled up so its SwiGLU clamp is hit
+
+
+def toy_config(arch: str) -> dict:
+    if arch != "v4":
+        raise ValueError(f"unknown tiny architecture {arch!r} (available: 'v4')")
+    return {**TOY_V4, "vocab_size": load_tokenizer().get_vocab_size()}
+
+
+def random_weights(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
+    with torch.device("meta"):
+        shapes = DeepseekV4(cfg).checkpoint_names()
+    gen = torch.Generator().manual_seed(seed)
+
+    def normal(shape: tuple[int, ...], std: float, mean: float = 0.0) -> torch.Tensor:
+        return torch.randn(shape, generator=gen) * std + mean
+
+    weights = {}
+    for name, shape in sorted(shapes.items()):
+        leaf = name.rsplit(".", 1)[-1]
+        if name.endswith("tid2eid"):
+            t = torch.stack(
+                [torch.randperm(cfg.n_routed_experts, generator=gen)[: shape[1]] for _ in range(shape[0])]
+            )
+        elif name.endswith("norm.weight"):
+            t = normal(shape, 0.1, 1.0)
+        elif leaf.endswith("_scale"):  # mHC scales
+            t = normal(shape, 0.1, 1.0)
+        elif leaf.endswith("_fn"):  # mHC projections read the whole n*D stream
+            t = normal(shape, 1.0 / math.sqrt(shape[1]))
+        elif leaf.endswith("_base") or leaf in ("attn_sink", "ape", "bias"):
+            t = normal(shape, 0.5)
+        elif name == "embed.weight":
+            t = normal(shape, 1.0)
+        else:  # linear [out, in]
+            t = normal(shape, 1.0 / math.sqrt(shape[1]))
+        weights[name] = t
+    for name in weights:
+        if f".experts.{_CLAMPED_EXPERT}.w1." in name or f".experts.{_CLAMPED_EXPERT}.w3." in name:
+            weights[name] *= 8.0
+        elif f".experts.{_CLAMPED_EXPERT}.w2." in name:
+            weights[name] /= 8.0
+    return weights
+
+
+def quantize(weights: dict[str, torch.Tensor], block: int) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, t in weights.items():
+        if name.endswith(".weight") and any(k in name for k in _FP8_LINEARS):
+            out[name], out[name.removesuffix(".weight") + ".scale"] = quantize_fp8(t, block)
+        else:
+            out[name] = t
+    return out
+
+
+def write_tiny(out: str | Path, arch: str = "v4", fp8: bool = False, shards: int = 1, seed: int = 0) -> Path:
+    if shards < 1:
+        raise ValueError(f"shards={shards} must be at least 1")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    raw = toy_config(arch)
+    if fp8:
+        raw["quantization_config"] = FP8_CONFIG
+    cfg = ModelConfig.from_dict(raw)
+    weights = random_weights(cfg, seed)
+    if fp8:
+        weights = quantize(weights, cfg.fp8_block)
+    (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    names = sorted(weights)
+    if shards == 1:
+        save_file({n: weights[n].contiguous() for n in names}, out / SINGLE_FILE)
+    else:
+        weight_map = {}
+        for i in range(shards):
+            file = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+            part = names[i::shards]
+            save_file({n: weights[n].contiguous() for n in part}, out / file)
+            weight_map.update(dict.fromkeys(part, file))
+        (out / INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2) + "\n")
+    write_tokenizer(out)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", default="v4", choices=["v4"])
+    parser.add_argument("--out", required=True)
+    parser.add_argument(
+        "--fp8", action="store_true", help="store the FP8 linears as E4M3 with E8M0 block scales"
+    )
+    parser.add_argument("--shards", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    print(write_tiny(args.out, args.arch, args.fp8, args.shards, args.seed))
+
+
+if __name__ == "__main__":
+    main()
