@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Ascend lowering gate (docs/ascend-gate.md): every Triton kernel must lower with triton-ascend, and the
+# gate must fail the known-bad kernels of tests/ascend. triton-ascend ships its own top-level `triton`, so
+# it gets a virtual environment of its own, reused while its pins hold.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+venv="${ASCEND_VENV:-.venv-ascend}"
+python="${ASCEND_PYTHON:-python3}"  # triton-ascend 3.2.0 has wheels for Python 3.10 and 3.11 only
+# torch only because the op modules import it; pinned, since an unpinned torch pulls a multi-GB CUDA build.
+pins=(triton-ascend==3.2.0 torch==2.13.0 pybind11 numpy)
+
+venv_ok() {
+    "$venv/bin/python" - 2>/dev/null <<'EOF'
+import importlib.metadata as md, sys
+def version(dist):
+    try:
+        return md.version(dist).split("+")[0]
+    except md.PackageNotFoundError:
+        return None
+# Upstream triton (a dependency of CUDA torch builds) would overwrite triton-ascend's `triton`.
+ok = version("triton-ascend") == "3.2.0" and version("torch") == "2.13.0" and version("triton") is None
+sys.exit(0 if ok and version("pybind11") and version("numpy") else 1)
+EOF
+}
+
+if ! venv_ok; then
+    echo "ascend gate: creating $venv"
+    "$python" -m venv --clear "$venv"
+    "$venv/bin/python" -m pip install --quiet "${pins[@]}"
+    venv_ok || { echo "ascend gate: $venv lacks ${pins[*]} or holds upstream triton" >&2; exit 1; }
+fi
+
+echo "ascend gate: lowering every kernel of triton_kernels"
+"$venv/bin/python" -m triton_kernels.ascend_check
+echo "ascend gate: the gate must fail tests/ascend/bad_kernels.py"
+"$venv/bin/python" tests/ascend/check_negative.py

@@ -1,0 +1,358 @@
+"""Ascend lowering gate: every Triton kernel of ``triton_kernels``, compiled by triton-ascend.
+
+The interpreter proves that a kernel computes the right thing, not that Triton-Ascend can compile it.
+This lowers each (kernel, dtype variant, autotune config) that the op modules declare in ``KERNELS``
+through triton-ascend's ``ttir`` and ``ttadapter`` stages, for the A2/A3 target and for the adapter's
+Ascend 950 variant: that is the MLIR CANN's BiSheng compiler takes. BiSheng itself (unified-buffer
+planning, the binary) needs CANN and is not run. It needs triton-ascend, which cannot share an
+environment with upstream triton: ``.ci/ascend_gate.sh`` builds one. See docs/ascend-gate.md.
+
+    python -m triton_kernels.ascend_check [--module tests/ascend/bad_kernels.py ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib
+import importlib.util
+import os
+import pkgutil
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import IO, Any
+
+# Read when @triton.jit decorates, triton's own library included: interpreted functions do not compile.
+os.environ.pop("TRITON_INTERPRET", None)
+
+from triton._C.libtriton import ir
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.compiler.errors import CompilationError
+
+import triton_kernels
+from triton_kernels.spec import KernelSpec, TuneConfig
+
+try:  # upstream triton has neither the Ascend backend nor this helper
+    from triton.backends.ascend.compiler import AscendBackend
+    from triton.runtime.jit import JITFunction, KernelInterface, get_jit_fn_file_line
+except ImportError as exc:
+    raise SystemExit(
+        f"ascend_check needs triton-ascend, in a venv of its own: run .ci/ascend_gate.sh ({exc})"
+    ) from None
+
+_SELF = "triton_kernels.ascend_check"
+# (label, target, options). The 950 pass switches the adapter's variant; the front end stays A2/A3's.
+TARGETS: tuple[tuple[str, GPUTarget, dict[str, Any]], ...] = (
+    ("A2/A3", GPUTarget("npu", "Ascend910B2", 0), {}),
+    (
+        "950",
+        GPUTarget("npu", "Ascend910_9589", 0),
+        {"compile_on_910_95": True, "enable_select_analysis": True},
+    ),
+)
+_MIX_MODE = re.compile(r'mix_mode\s*=\s*"(\w+)"')
+# ``file:line:col: error: msg``, or ``loc("file":line:col): error: msg`` from a handler without sources.
+_MLIR_ERROR = re.compile(r'^(?:loc\(")?([^\s"]+?)"?:(\d+):\d+\)?: error: (.*)$', re.M)
+_STATIC_BUFFER = re.compile(
+    r"= (?:memref\.alloc|tensor\.empty|bufferization\.alloc_tensor)\(\) : (?:memref|tensor)<([^,>]*)>"
+)
+
+
+class LoweringError(Exception):
+    pass
+
+
+@dataclass
+class Report:
+    label: str
+    where: str
+    configs: tuple[TuneConfig, ...]
+    errors: list[str] = field(default_factory=list)
+    mix_modes: set[str] = field(default_factory=set)
+    # Per config index: the largest static buffer estimate over dtype variants and targets.
+    estimates: dict[int, int] = field(default_factory=dict)
+    lowerings: int = 0
+
+    def over_declared(self, index: int) -> bool:
+        return self.estimates.get(index, 0) > self.configs[index].ub_bytes
+
+
+def _rel(path: str) -> str:
+    return os.path.relpath(path) if os.path.abspath(path).startswith(os.getcwd() + os.sep) else path
+
+
+def _where(fn: JITFunction) -> str:
+    path, line = get_jit_fn_file_line(fn)
+    return f"{_rel(path)}:{line}"
+
+
+def _jit(obj: Any) -> JITFunction | None:
+    # Autotuner and Heuristics wrap the JITFunction in ``.fn``.
+    while isinstance(obj, KernelInterface) and not isinstance(obj, JITFunction):
+        obj = obj.fn
+    return obj if isinstance(obj, JITFunction) else None
+
+
+def _referenced(fn: JITFunction) -> Iterator[JITFunction]:
+    """The @jit functions a kernel's body names: helpers it calls (or passes on)."""
+
+    def resolve(node: ast.AST) -> Any:
+        if isinstance(node, ast.Name):
+            return fn.__globals__.get(node.id)
+        if isinstance(node, ast.Attribute):
+            return getattr(resolve(node.value), node.attr, None)
+        return None
+
+    for node in ast.walk(fn.parse()):
+        if (helper := _jit(resolve(node))) is not None:
+            yield helper
+
+
+def _modules(paths: list[str]) -> Iterator[tuple[str, ModuleType | Exception]]:
+    package = pkgutil.walk_packages(triton_kernels.__path__, "triton_kernels.")
+    for item in paths or [m.name for m in package if m.name != _SELF]:
+        try:
+            if item.endswith(".py"):
+                spec = importlib.util.spec_from_file_location(Path(item).stem, item)
+                assert spec is not None and spec.loader is not None
+                module = importlib.util.module_from_spec(spec)
+                sys.modules[spec.name] = module
+                spec.loader.exec_module(module)
+            else:
+                module = importlib.import_module(item)
+            yield module.__name__.rsplit(".", 1)[-1], module
+        except Exception as exc:  # an op module that does not import under triton-ascend fails the gate
+            yield item, exc
+
+
+@contextmanager
+def _stderr_to(log: IO[bytes]) -> Iterator[None]:
+    # MLIR diagnostics of the in-process passes go to fd 2, not into the exception.
+    sys.stderr.flush()
+    saved = os.dup(2)
+    os.dup2(log.fileno(), 2)
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def _describe(exc: Exception, log: str, fn: JITFunction, known: dict[str, JITFunction]) -> str:
+    """The first error as ``file:line: message``, pointing into our source wherever possible."""
+    if isinstance(exc, CompilationError):
+        # An error inside a called @jit helper is re-raised at each call site; the innermost is the cause.
+        chain = [exc]
+        while isinstance(chain[-1].__cause__, CompilationError):
+            chain.append(chain[-1].__cause__)
+        for err in reversed(chain):
+            if err.src in known and hasattr(err.node, "lineno"):
+                path, first = get_jit_fn_file_line(known[err.src])
+                code = err.src.splitlines()[err.node.lineno - 1].split("#")[0].strip()
+                cause = chain[-1].__cause__
+                message = f"{type(cause).__name__}: {cause}" if cause else chain[-1].error_message
+                return f"{_rel(path)}:{first + err.node.lineno - 1}: {message}  [{code}]"
+    stderr = getattr(exc, "stderr", None) or b""
+    if match := _MLIR_ERROR.search(stderr.decode(errors="replace") + log):
+        return f"{_rel(match[1])}:{match[2]}: {match[3]}"
+    if isinstance(exc, subprocess.CalledProcessError) and exc.returncode < 0:
+        return f"{_where(fn)}: triton-adapter-opt crashed ({signal.Signals(-exc.returncode).name})"
+    lines = str(exc).strip().splitlines()
+    return f"{_where(fn)}: {type(exc).__name__}: {lines[0] if lines else ''}"
+
+
+def lower(
+    fn: JITFunction,
+    signature: dict[str, str],
+    constexprs: dict[str, int],
+    target: GPUTarget,
+    options: dict[str, Any],
+    known: dict[str, JITFunction],
+) -> str:
+    """The kernel's ttadapter MLIR. ``triton.compile`` would go on to the npubin stage, which needs CANN."""
+    backend = AscendBackend(target)
+    opts = backend.parse_options(options)
+    stages: dict[str, Any] = {}
+    backend.add_stages(stages, opts)
+    metadata = {"hash": "ascend-check", "target": target, **opts.__dict__}
+    stage = "ast->ttir"
+    with tempfile.TemporaryFile() as log:
+        with _stderr_to(log):
+            try:
+                context = ir.context()
+                ir.load_dialects(context)
+                backend.load_dialects(context)
+                module = ASTSource(fn, signature, constexprs).make_ir(
+                    opts, backend.get_codegen_implementation(), backend.get_module_map(), context
+                )
+                for stage in ("ttir", "ttadapter"):
+                    module = stages[stage](module, metadata)
+                return module
+            except Exception as exc:
+                failure = exc
+        log.seek(0)
+        raise LoweringError(f"{stage}: {_describe(failure, log.read().decode(errors='replace'), fn, known)}")
+
+
+def static_buffer_bytes(mlir: str) -> int:
+    """Sum of the statically shaped buffers the lowered IR allocates: a rough UB indicator."""
+    total = 0
+    for shape in _STATIC_BUFFER.findall(mlir):
+        *dims, elem = shape.split("x")
+        bits = int(re.sub(r"\D", "", elem) or 8)
+        numel = 1
+        for dim in dims:
+            numel *= int(dim)
+        total += (numel * bits + 7) // 8
+    return total
+
+
+def _variant(signature: dict[str, str]) -> str:
+    return "/".join(t[1:] for t in signature.values() if t.startswith("*"))
+
+
+def check(spec: KernelSpec, module: str, known: dict[str, JITFunction]) -> Report:
+    fn = _jit(spec.kernel)
+    if fn is None:
+        return Report(
+            f"{module}.{spec.kernel!r}", module, (), ["KernelSpec.kernel is not a @triton.jit function"]
+        )
+    fixed = ",".join(f"{k}={v}" for k, v in spec.constexprs.items())
+    report = Report(f"{module}.{spec.name}" + (f"[{fixed}]" if fixed else ""), _where(fn), spec.configs)
+    if not spec.signatures or not spec.configs:
+        report.errors.append(
+            f"{report.where}: KernelSpec declares no signatures or no configs: nothing to lower"
+        )
+    expected = "mix" if spec.uses_cube else "aiv"
+    for index, config in enumerate(spec.configs):
+        params = ",".join(f"{k}={v}" for k, v in config.params.items())
+        for signature in spec.signatures:
+            for label, target, options in TARGETS:
+                report.lowerings += 1
+                context = f"[{label} {_variant(signature)} {params}]"
+                constexprs = {**spec.constexprs, **config.params}
+                try:
+                    mlir = lower(
+                        fn,
+                        signature,
+                        constexprs,
+                        target,
+                        {**options, "multibuffer": config.multibuffer},
+                        known,
+                    )
+                except LoweringError as exc:
+                    report.errors.append(f"{context} {exc}")
+                    continue
+                mode = _MIX_MODE.search(mlir)
+                mix = mode[1] if mode else "?"
+                report.mix_modes.add(mix)
+                if mix != expected:
+                    cores = "AI" if spec.uses_cube else "vector"
+                    report.errors.append(
+                        f"{context} {report.where}: lowers to mix_mode={mix} but KernelSpec.uses_cube="
+                        f"{spec.uses_cube} launches it on {cores} cores (expected mix_mode={expected})"
+                    )
+                report.estimates[index] = max(report.estimates.get(index, 0), static_buffer_bytes(mlir))
+    return report
+
+
+def _kib(n: int) -> str:
+    return f"{n / 1024:.1f} KiB"
+
+
+def _print(report: Report) -> None:
+    modes = "+".join(sorted(report.mix_modes)) or "-"
+    print(f"{'FAIL' if report.errors else 'PASS'}  {report.label}  mix_mode={modes}  {report.where}")
+    for index, config in enumerate(report.configs):
+        params = " ".join(f"{k}={v}" for k, v in config.params.items())
+        estimate = _kib(report.estimates[index]) if index in report.estimates else "-"
+        flag = "  ! IR buffers exceed the declared footprint" if report.over_declared(index) else ""
+        print(
+            f"      {params:<32} IR static buffers {estimate:>10}   declared {_kib(config.ub_bytes):>10}"
+            f" (resident {_kib(config.resident_bytes)}){flag}"
+        )
+    if report.errors:
+        more = f"   (+{len(report.errors) - 1} more)" if len(report.errors) > 1 else ""
+        print(f"      first error: {report.errors[0]}{more}")
+
+
+def _discover(paths: list[str]) -> tuple[list[tuple[str, KernelSpec]], dict[JITFunction, str], list[str]]:
+    """The declared specs, every @jit function the modules define (with its module), and import failures."""
+    specs: list[tuple[str, KernelSpec]] = []
+    defined: dict[JITFunction, str] = {}
+    broken: list[str] = []
+    for name, module in _modules(paths):
+        if isinstance(module, Exception):
+            print(f"FAIL  import {name}: {type(module).__name__}: {module}")
+            broken.append(name)
+            continue
+        specs += [(name, spec) for spec in getattr(module, "KERNELS", ())]
+        for obj in vars(module).values():
+            if (fn := _jit(obj)) is not None and fn.fn.__module__ == module.__name__:
+                defined[fn] = name
+    return specs, defined, broken
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--module",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="check this module file instead of the triton_kernels package (repeatable)",
+    )
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
+    specs, defined, failed = _discover(args.module)
+    # A @jit function is covered when a spec names it or a covered function uses it.
+    covered: set[JITFunction] = set()
+    pending = [fn for _, spec in specs if (fn := _jit(spec.kernel)) is not None]
+    while pending:
+        if (fn := pending.pop()) not in covered:
+            covered.add(fn)
+            pending += _referenced(fn)
+    known = {fn.src: fn for fn in covered | set(defined)}
+    imported = time.perf_counter()
+    reports = [check(spec, name, known) for name, spec in specs]
+    for report in reports:
+        _print(report)
+    for fn, name in defined.items():
+        if fn not in covered:
+            print(
+                f"FAIL  {name}.{fn.__name__}: {_where(fn)}: @triton.jit function in no KernelSpec, and no"
+                " declared kernel uses it"
+            )
+            failed.append(fn.__name__)
+    failed += [r.label for r in reports if r.errors]
+    if not specs:
+        print("FAIL  no KERNELS found: nothing was checked")
+        failed.append("discovery")
+    if over := sum(r.over_declared(i) for r in reports for i in range(len(r.configs))):
+        print(f"note: {over} config(s) marked '!' allocate more static buffers in the IR than they declare")
+    passed = sum(not r.errors for r in reports)
+    pairs = sum(len(r.configs) for r in reports)
+    targets = " and ".join(label for label, _, _ in TARGETS)
+    print(
+        f"{passed} passed, {len(failed)} failed: {pairs} (kernel, config) pairs lowered for {targets}"
+        f" ({sum(r.lowerings for r in reports)} lowerings with the dtype variants)"
+        f" in {time.perf_counter() - imported:.1f} s (+{imported - start:.1f} s imports)"
+    )
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
