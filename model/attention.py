@@ -51,7 +51,9 @@ class Indexer(nn.Module):
         self.heads, self.dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
         self.wq_b = linear(cfg.q_lora_rank, self.heads * self.dim)
         self.weights_proj = linear(cfg.hidden_size, self.heads)
-        self.compressor = Compressor(cfg.hidden_size, self.dim, plan.compress_ratio, True, cfg.rms_norm_eps)
+        self.compressor = Compressor(
+            cfg.hidden_size, self.dim, plan.compress_ratio, cfg.rms_norm_eps, overlap=True
+        )
 
     def scores(
         self,
@@ -104,7 +106,7 @@ class V4Attention(nn.Module):
         self.attn_sink = nn.Parameter(torch.empty(self.heads))
         if plan.attention is not Kind.SLIDING:
             self.compressor = Compressor(
-                cfg.hidden_size, self.head_dim, plan.compress_ratio, plan.overlap, cfg.rms_norm_eps
+                cfg.hidden_size, self.head_dim, plan.compress_ratio, cfg.rms_norm_eps, overlap=plan.overlap
             )
         if plan.has_indexer:
             self.indexer = Indexer(cfg, plan)

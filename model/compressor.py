@@ -35,43 +35,62 @@ class CompressorState:
 
 
 class Compressor(nn.Module):
-    def __init__(self, hidden: int, dim: int, ratio: int, overlap: bool, eps: float):
+    """``ratio`` tokens -> one entry. V4: gated with the learned position bias ``ape`` (ratio 4 also
+    overlapping); V4.1: ratio 2 gated without ``ape``, ratio 1 a plain projection (no gate)."""
+
+    def __init__(
+        self, hidden: int, dim: int, ratio: int, eps: float, overlap: bool = False, ape: bool = True
+    ):
         super().__init__()
         self.dim, self.ratio, self.overlap = dim, ratio, overlap
         width = (2 if overlap else 1) * dim
         self.wkv = linear(hidden, width)
-        self.wgate = linear(hidden, width)
-        self.ape = nn.Parameter(torch.empty(ratio, width))
+        if ratio > 1:
+            self.wgate = linear(hidden, width)
+        if ape:
+            self.ape = nn.Parameter(torch.empty(ratio, width))
         self.norm = RMSNorm(dim, eps)
 
     def new_state(self, device: torch.device) -> CompressorState:
         return CompressorState.empty(self.wkv.out_features, self.dim, device)
 
-    def forward(self, x: torch.Tensor, inv_freq: torch.Tensor, state: CompressorState | None) -> torch.Tensor:
-        """Compress ``x [S, D]`` and return every entry so far ``[E, dim]``.
+    def pool(self, x: torch.Tensor, state: CompressorState | None) -> tuple[torch.Tensor, int]:
+        """Normed, un-rotated entries of the groups that ``x [S, D]`` closes, and the first one's index.
 
         Without a state the complete groups of ``x`` are compressed and the rest is dropped.
         """
-        kv, gate = self.wkv(x).float(), self.wgate(x).float()
-        first_group = 0
+        kv = self.wkv(x).float()
+        if self.ratio == 1:
+            first = state.entries.shape[0] if state is not None else 0
+            return self.norm(kv), first
+        gate = self.wgate(x).float()
+        first = 0
         if state is not None:
-            first_group = state.entries.shape[0]
+            first = state.entries.shape[0]
             kv, gate = torch.cat([state.buffer_kv, kv]), torch.cat([state.buffer_gate, gate])
         groups = kv.shape[0] // self.ratio
         usable = groups * self.ratio
         if state is not None:
             state.buffer_kv, state.buffer_gate = kv[usable:], gate[usable:]
-        if groups == 0:
-            return state.entries if state is not None else kv.new_zeros(0, self.dim)
-
+        if groups == 0:  # no group closes: the overlap state stays as it is
+            return kv.new_zeros(0, self.dim), first
         kv = kv[:usable].view(groups, self.ratio, -1)
-        gate = gate[:usable].view(groups, self.ratio, -1) + self.ape.float()
+        gate = gate[:usable].view(groups, self.ratio, -1)
+        if hasattr(self, "ape"):
+            gate = gate + self.ape.float()
         if self.overlap:
             kv, gate = self._overlap_slots(kv, gate, state)
-        pooled = (kv * gate.softmax(dim=1)).sum(dim=1)
-        entries = self.norm(pooled)
-        positions = (first_group + torch.arange(groups, device=x.device)) * self.ratio
-        entries = apply_rope(entries, positions, inv_freq)
+        return self.norm((kv * gate.softmax(dim=1)).sum(dim=1)), first
+
+    def rotate(self, latent: torch.Tensor, first: int, inv_freq: torch.Tensor) -> torch.Tensor:
+        """RoPE of each entry at its group's first token position."""
+        positions = (first + torch.arange(latent.shape[0], device=latent.device)) * self.ratio
+        return apply_rope(latent, positions, inv_freq)
+
+    def forward(self, x: torch.Tensor, inv_freq: torch.Tensor, state: CompressorState | None) -> torch.Tensor:
+        """Every rotated entry so far ``[E, dim]`` (the V4 compressed KV)."""
+        latent, first = self.pool(x, state)
+        entries = self.rotate(latent, first, inv_freq)
         if state is None:
             return entries
         state.entries = torch.cat([state.entries, entries])
