@@ -16,7 +16,6 @@ from torch import nn
 from model.compressor import Compressor, CompressorState
 from model.config import ModelConfig
 from model.layers import RMSNorm, linear
-from model.plan import Attention as Kind
 from model.plan import LayerPlan
 from triton_kernels.rmsnorm import rms_norm
 from triton_kernels.rope import apply_rope
@@ -28,7 +27,8 @@ class AttentionState:
 
     window: torch.Tensor  # [<= W-1, d]: keys of the latest positions, oldest first
     compressor: CompressorState | None = None
-    indexer: CompressorState | None = None
+    indexer: CompressorState | None = None  # V4 CSA: the indexer's own compressor
+    index_keys: torch.Tensor | None = None  # V4.1 Full: index keys of every entry so far, [E, d_I]
 
 
 @dataclass(frozen=True)
@@ -90,10 +90,13 @@ class Indexer(nn.Module):
         return picked.masked_fill(unreachable, -1)
 
 
-class V4Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, plan: LayerPlan):
+class SharedKVAttention(nn.Module):
+    """What every V4 / V4.1 attention layer has: the query and shared K=V projections, the sliding
+    window, sink attention over gathered keys, inverse RoPE and the grouped output projection."""
+
+    def __init__(self, cfg: ModelConfig, plan: LayerPlan, head_norm: bool):
         super().__init__()
-        self.plan = plan
+        self.plan, self.head_norm = plan, head_norm
         self.heads, self.head_dim, self.groups = cfg.num_attention_heads, cfg.head_dim, cfg.o_groups
         self.window, self.eps = cfg.sliding_window, cfg.rms_norm_eps
         self.wq_a = linear(cfg.hidden_size, cfg.q_lora_rank)
@@ -104,7 +107,49 @@ class V4Attention(nn.Module):
         self.wo_a = linear(self.heads * self.head_dim // self.groups, self.groups * cfg.o_lora_rank)
         self.wo_b = linear(self.groups * cfg.o_lora_rank, cfg.hidden_size)
         self.attn_sink = nn.Parameter(torch.empty(self.heads))
-        if plan.attention is not Kind.SLIDING:
+
+    def project(
+        self, x: torch.Tensor, pos: Positions, inv_freq: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``q_r [S, q_r]`` (also the indexer's input), rotated queries ``[S, H, d]`` and keys ``[S, d]``."""
+        q_r = self.q_norm(self.wq_a(x))
+        q = self.wq_b(q_r).view(x.shape[0], self.heads, self.head_dim)
+        if self.head_norm:
+            q = rms_norm(q, None, self.eps)
+        q = apply_rope(q, pos.values, inv_freq)
+        return q_r, q, apply_rope(self.kv_norm(self.wkv(x)), pos.values, inv_freq)
+
+    def window_pool(
+        self, kv: torch.Tensor, state: AttentionState | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pool of earlier window keys plus ``kv``, and each query's W newest positions in it."""
+        past = state.window if state is not None else kv.new_zeros(0, self.head_dim)
+        pool = torch.cat([past, kv])
+        if state is not None:
+            state.window = pool[max(0, pool.shape[0] - (self.window - 1)) :]
+        offsets = past.shape[0] + torch.arange(kv.shape[0], device=kv.device)[:, None]
+        offsets = offsets - torch.arange(self.window, device=kv.device)
+        return pool, offsets.masked_fill(offsets < 0, -1)
+
+    def output(
+        self,
+        q: torch.Tensor,
+        pools: list[tuple[torch.Tensor, torch.Tensor]],
+        pos: Positions,
+        inv_freq: torch.Tensor,
+    ) -> torch.Tensor:
+        out = sparse_attention(q, pools, self.attn_sink, self.head_dim**-0.5)
+        out = apply_rope(out, pos.values, inv_freq, inverse=True)  # values carry rope: de-rotate at the query
+        # Group g of H/G heads is projected by row block g of wo_a only.
+        grouped = out.reshape(out.shape[0], self.groups, -1)
+        weight = self.wo_a.weight.view(self.groups, -1, grouped.shape[-1])
+        return self.wo_b(torch.einsum("tgi,goi->tgo", grouped, weight).flatten(1))
+
+
+class V4Attention(SharedKVAttention):
+    def __init__(self, cfg: ModelConfig, plan: LayerPlan):
+        super().__init__(cfg, plan, head_norm=True)
+        if plan.has_compressor:
             self.compressor = Compressor(
                 cfg.hidden_size, self.head_dim, plan.compress_ratio, cfg.rms_norm_eps, overlap=plan.overlap
             )
@@ -113,7 +158,7 @@ class V4Attention(nn.Module):
 
     def new_state(self, device: torch.device) -> AttentionState:
         state = AttentionState(window=torch.zeros(0, self.head_dim, device=device))
-        if self.plan.attention is not Kind.SLIDING:
+        if self.plan.has_compressor:
             state.compressor = self.compressor.new_state(device)
         if self.plan.has_indexer:
             state.indexer = self.indexer.compressor.new_state(device)
@@ -122,43 +167,19 @@ class V4Attention(nn.Module):
     def forward(
         self, x: torch.Tensor, pos: Positions, inv_freq: torch.Tensor, state: AttentionState | None
     ) -> torch.Tensor:
-        seq = x.shape[0]
-        q_r = self.q_norm(self.wq_a(x))
-        q = rms_norm(self.wq_b(q_r).view(seq, self.heads, self.head_dim), None, self.eps)
-        q = apply_rope(q, pos.values, inv_freq)
-        kv = apply_rope(self.kv_norm(self.wkv(x)), pos.values, inv_freq)
-
-        past = state.window if state is not None else kv.new_zeros(0, self.head_dim)
-        window_pool = torch.cat([past, kv])
-        offsets = (
-            past.shape[0]
-            + torch.arange(seq, device=x.device)[:, None]
-            - torch.arange(self.window, device=x.device)
-        )
-        pools = [(window_pool, offsets.masked_fill(offsets < 0, -1))]
-        if state is not None:
-            state.window = window_pool[max(0, window_pool.shape[0] - (self.window - 1)) :]
-
-        if self.plan.attention is not Kind.SLIDING:
+        q_r, q, kv = self.project(x, pos, inv_freq)
+        pools = [self.window_pool(kv, state)]
+        if self.plan.has_compressor:
             entries = self.compressor(x, inv_freq, state.compressor if state is not None else None)
             if self.plan.has_indexer:
                 picked = self.indexer(x, q_r, pos, inv_freq, state.indexer if state is not None else None)
             else:
-                picked = torch.arange(entries.shape[0], device=x.device).expand(seq, -1)
+                picked = torch.arange(entries.shape[0], device=x.device).expand(x.shape[0], -1)
                 picked = picked.masked_fill(
                     picked >= pos.visible_entries(self.plan.compress_ratio)[:, None], -1
                 )
             pools.append((entries, picked))
-
-        out = sparse_attention(q, pools, self.attn_sink, self.head_dim**-0.5)
-        out = apply_rope(out, pos.values, inv_freq, inverse=True)  # values carry rope: de-rotate at the query
-        return self.wo_b(self._grouped_wo_a(out))
-
-    def _grouped_wo_a(self, out: torch.Tensor) -> torch.Tensor:
-        """Group g of H/G heads is projected by row block g of ``wo_a`` only."""
-        grouped = out.reshape(out.shape[0], self.groups, -1)
-        weight = self.wo_a.weight.view(self.groups, -1, grouped.shape[-1])
-        return torch.einsum("tgi,goi->tgo", grouped, weight).flatten(1)
+        return self.output(q, pools, pos, inv_freq)
 
 
 def sparse_attention(

@@ -13,11 +13,11 @@ import torch
 from torch import nn
 
 from model.attention import AttentionState, Positions, V4Attention
+from model.block import MhcBlock
 from model.config import ModelConfig
 from model.layers import RMSNorm, linear
-from model.moe import MoE
 from model.plan import LayerPlan, Rope, build_plan
-from triton_kernels.mhc import hc_coeffs, hc_collapse, hc_head_coeffs, hc_update
+from triton_kernels.mhc import hc_collapse, hc_head_coeffs, hc_update
 from triton_kernels.rope import rope_inv_freq
 
 
@@ -29,30 +29,11 @@ class SequenceState:
     layers: list[AttentionState]
 
 
-class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, plan: LayerPlan):
-        super().__init__()
-        self.cfg, self.plan = cfg, plan
-        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.attn = V4Attention(cfg, plan)
-        self.ffn = MoE(cfg, plan)
-        width, streams = cfg.mix_width, cfg.hc_mult * cfg.hidden_size
-        for site in ("attn", "ffn"):
-            setattr(self, f"hc_{site}_fn", nn.Parameter(torch.empty(width, streams)))
-            setattr(self, f"hc_{site}_base", nn.Parameter(torch.empty(width)))
-            setattr(self, f"hc_{site}_scale", nn.Parameter(torch.empty(3)))
+class Block(MhcBlock):
+    """A V4 block: classic mHC, each sublayer collapses the streams with its own pre-mix."""
 
-    def _coeffs(self, x: torch.Tensor, site: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return hc_coeffs(
-            x,
-            getattr(self, f"hc_{site}_fn"),
-            getattr(self, f"hc_{site}_base"),
-            getattr(self, f"hc_{site}_scale"),
-            norm_eps=self.cfg.rms_norm_eps,
-            hc_eps=self.cfg.hc_eps,
-            sinkhorn_iters=self.cfg.hc_sinkhorn_iters,
-        )
+    def __init__(self, cfg: ModelConfig, plan: LayerPlan):
+        super().__init__(cfg, plan, V4Attention(cfg, plan))
 
     def forward(
         self,
@@ -63,10 +44,10 @@ class Block(nn.Module):
         state: AttentionState | None,
     ) -> torch.Tensor:
         """``x [S, n, D]`` streams in and out."""
-        pre, post, comb = self._coeffs(x, "attn")
+        pre, post, comb = self.coeffs(x, "attn")
         a = self.attn(self.attn_norm(hc_collapse(x, pre)), pos, inv_freq, state)
         x = hc_update(x, a, post, comb)
-        pre, post, comb = self._coeffs(x, "ffn")
+        pre, post, comb = self.coeffs(x, "ffn")
         f = self.ffn(self.ffn_norm(hc_collapse(x, pre)), ids)
         return hc_update(x, f, post, comb)
 

@@ -56,8 +56,8 @@ class Gate(nn.Module):
 class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig, plan: LayerPlan):
         super().__init__()
-        experts, top_k = cfg.n_routed_experts, cfg.num_experts_per_tok
-        self.gate = Gate(cfg, plan, experts, top_k)
+        experts = plan.n_experts
+        self.gate = Gate(cfg, plan, experts, plan.top_k)
         inter, limit = cfg.moe_intermediate_size, cfg.swiglu_limit
         self.experts = nn.ModuleList(Expert(cfg.hidden_size, inter, limit) for _ in range(experts))
         self.shared_experts = Expert(cfg.hidden_size, inter, limit) if cfg.n_shared_experts else None

@@ -1,0 +1,41 @@
+"""The sublayer pair every V4 / V4.1 block has, with its mHC parameters."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from model.config import ModelConfig
+from model.layers import RMSNorm
+from model.moe import MoE
+from model.plan import LayerPlan
+from triton_kernels.mhc import hc_coeffs
+
+
+class MhcBlock(nn.Module):
+    """Attention and MoE sublayers with their norms and mHC parameters (``hc_attn_*``, ``hc_ffn_*``)."""
+
+    def __init__(self, cfg: ModelConfig, plan: LayerPlan, attn: nn.Module):
+        super().__init__()
+        self.cfg, self.plan = cfg, plan
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = attn
+        self.ffn = MoE(cfg, plan)
+        width, streams = cfg.mix_width, cfg.hc_mult * cfg.hidden_size
+        for site in ("attn", "ffn"):
+            setattr(self, f"hc_{site}_fn", nn.Parameter(torch.empty(width, streams)))
+            setattr(self, f"hc_{site}_base", nn.Parameter(torch.empty(width)))
+            setattr(self, f"hc_{site}_scale", nn.Parameter(torch.empty(3)))
+
+    def coeffs(self, x: torch.Tensor, site: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """pre ``[S, n]``, post ``[S, n]`` and comb ``[S, n, n]`` of the streams ``x`` for ``site``."""
+        return hc_coeffs(
+            x,
+            getattr(self, f"hc_{site}_fn"),
+            getattr(self, f"hc_{site}_base"),
+            getattr(self, f"hc_{site}_scale"),
+            norm_eps=self.cfg.rms_norm_eps,
+            hc_eps=self.cfg.hc_eps,
+            sinkhorn_iters=self.cfg.hc_sinkhorn_iters,
+        )
