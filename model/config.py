@@ -9,6 +9,7 @@ Every cross-field contract fails here, naming the field, instead of at the first
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -30,13 +31,24 @@ _OFFICIAL_NAMES = {
     "rope_head_dim": "qk_rope_head_dim",
     "n_hash_layers": "num_hash_layers",
     "n_mtp_layers": "num_nextn_predict_layers",
+    "kv_source_layers": "kv_source_layer_ids",
+    "index_source_layers": "index_source_layer_ids",
+    "candidate_source_layer": "candidate_source_layer_id",
+    "engram_pad_id": "engram_pad_token_id",
+    "dspark_n_activated_experts": "dspark_num_experts_per_tok",
 }
 _LAYER_TYPE_RATIO = {
     "sliding_attention": 0,
     "compressed_sparse_attention": 4,
     "heavily_compressed_attention": 128,
 }
-V4_RATIOS = (0, 4, 128)
+RATIOS = {"deepseek_v4": (0, 4, 128), "deepseek_v41": (0, 1, 2)}
+# V4.1 keys that carry no numerics; any other unknown V4.1 key is rejected rather than ignored.
+_V41_METADATA = {
+    "architectures", "model_type", "dtype", "torch_dtype", "transformers_version", "auto_map", "use_cache",
+    "vision_config", "image_token_id", "attention_bias", "topk_method", "pad_token_id", "initializer_range",
+    "text_config", "quantization_config", "expert_dtype", "max_position_embeddings",
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -80,12 +92,36 @@ class ModelConfig:
     gate_temp: float = 1.0
     bos_token_id: int = 0
     eos_token_id: int = 1
+    # V4.1 (model-spec §2, §4.7-4.9, §6, §8.2)
+    kv_source_layer_ids: tuple[int, ...] = ()
+    index_source_layer_ids: tuple[int, ...] = ()
+    candidate_source_layer_id: int = -1
+    candidate_topk_blocks: int = 0
+    candidate_block_size: int = 0
+    engram_layer_ids: tuple[int, ...] = ()
+    engram_num_embeddings: tuple[int, ...] = ()
+    engram_max_ngram_size: int = 0
+    engram_vocab_size: int = 0
+    engram_n_heads: int = 0
+    engram_head_dim: int = 0
+    engram_pad_token_id: int = 2
+    engram_compressed_vocab_size: int = 0
+    dspark_block_size: int = 0
+    dspark_noise_token_id: int = -1
+    dspark_target_layer_ids: tuple[int, ...] = ()
+    dspark_markov_rank: int = 0
+    dspark_n_routed_experts: int = 0  # 0: the backbone's
+    dspark_num_experts_per_tok: int = 0
     quantization_config: dict[str, Any] | None = field(default=None, compare=False)
 
     @property
     def mix_width(self) -> int:
         """Width of an mHC projection: pre (n) + post (n) + comb (n*n)."""
         return (2 + self.hc_mult) * self.hc_mult
+
+    @property
+    def is_v41(self) -> bool:
+        return self.model_type == "deepseek_v41"
 
     @property
     def num_layers_with_draft(self) -> int:
@@ -119,13 +155,21 @@ def _parse(raw: dict[str, Any]) -> ModelConfig:
     if isinstance(raw.get("text_config"), dict):
         raw = {**{k: v for k, v in top.items() if k != "text_config"}, **raw["text_config"]}
     raw = {_OFFICIAL_NAMES.get(k, k): v for k, v in raw.items()}
-    model_type = raw.get("model_type", "deepseek_v4")
-    if model_type != "deepseek_v4":
-        raise ValueError(f"config field model_type={model_type!r} is not supported (expected 'deepseek_v4')")
+    model_type = {"deepseek_v41_text": "deepseek_v41"}.get(raw.get("model_type", ""), raw.get("model_type"))
+    if top.get("model_type") == "deepseek_v41":
+        model_type = "deepseek_v41"
+    if model_type not in RATIOS:
+        raise ValueError(
+            f"config field model_type={model_type!r} is not supported (expected one of {list(RATIOS)})"
+        )
     raw["model_type"] = model_type
     _fold_transformers_fields(raw)
 
     known = {f.name: f for f in fields(ModelConfig)}
+    if model_type == "deepseek_v41":
+        unknown = sorted(set(raw) - set(known) - _V41_METADATA - {"rope_scaling"})
+        if unknown:
+            raise ValueError(f"config has unknown V4.1 fields {unknown}; refusing to guess their numerics")
     values: dict[str, Any] = {}
     for name, f in known.items():
         if name not in raw:
@@ -133,7 +177,7 @@ def _parse(raw: dict[str, Any]) -> ModelConfig:
                 raise ValueError(f"config is missing the required field {name!r}")
             continue
         values[name] = _coerce(name, raw[name], f.type)
-    values["compress_ratios"] = _ratios(raw.get("compress_ratios"), values)
+    values["compress_ratios"] = _ratios(raw.get("compress_ratios"), values, RATIOS[model_type])
     values["rope_scaling"] = _yarn(raw.get("rope_scaling"))
     cfg = ModelConfig(**values)
     _validate(cfg)
@@ -183,18 +227,24 @@ def _coerce(name: str, value: Any, annotation: str) -> Any:
         raise ValueError(f"config field {name}={value!r} must be true or false")
     if kind == "str" and not isinstance(value, str):
         raise ValueError(f"config field {name}={value!r} must be a string")
+    if kind == "tuple":
+        if not isinstance(value, (list, tuple)) or not all(
+            isinstance(v, int) and not isinstance(v, bool) for v in value
+        ):
+            raise ValueError(f"config field {name}={value!r} must be a list of integers")
+        return tuple(value)
     return value
 
 
-def _ratios(value: Any, values: dict[str, Any]) -> tuple[int, ...]:
+def _ratios(value: Any, values: dict[str, Any], allowed: tuple[int, ...]) -> tuple[int, ...]:
     n = values["num_hidden_layers"] + values.get("num_nextn_predict_layers", 0)
     if value is None:
         raise ValueError("config is missing the required field 'compress_ratios' (or 'layer_types')")
     if not isinstance(value, (list, tuple)) or not all(isinstance(r, int) for r in value):
         raise ValueError(f"config field compress_ratios={value!r} must be a list of integers")
-    bad = [r for r in value if r not in V4_RATIOS]
+    bad = [r for r in value if r not in allowed]
     if bad:
-        raise ValueError(f"config field compress_ratios has {bad}; V4 ratios must be in {V4_RATIOS}")
+        raise ValueError(f"config field compress_ratios has {bad}; ratios of this model must be in {allowed}")
     return tuple(list(value[:n]) + [0] * max(0, n - len(value)))
 
 
@@ -270,7 +320,7 @@ def _validate(cfg: ModelConfig) -> None:
     need(cfg.n_shared_experts in (0, 1), f"n_shared_experts={cfg.n_shared_experts} must be 0 or 1")
     need(cfg.scoring_func == "sqrtsoftplus", f"scoring_func={cfg.scoring_func!r} is not supported")
     need(cfg.hidden_act == "silu", f"hidden_act={cfg.hidden_act!r} is not supported")
-    need(not cfg.tie_word_embeddings, "tie_word_embeddings=true is not supported by DeepSeek V4")
+    need(not cfg.tie_word_embeddings, "tie_word_embeddings=true is not supported by DeepSeek V4/V4.1")
     need(cfg.rms_norm_eps > 0 and cfg.hc_eps > 0, "rms_norm_eps and hc_eps must be positive")
     need(cfg.gate_temp > 0, f"gate_temp={cfg.gate_temp} must be positive")
     for name in ("bos_token_id", "eos_token_id"):
@@ -283,6 +333,15 @@ def _validate(cfg: ModelConfig) -> None:
             cfg.compress_ratios[layer] == 0,
             f"compress_ratios[{layer}]={cfg.compress_ratios[layer]}: draft layers must be sliding-only (0)",
         )
+    if cfg.is_v41:
+        _validate_v41(cfg, need)
+    else:
+        v41_only = [
+            n
+            for n in ("kv_source_layer_ids", "index_source_layer_ids", "engram_layer_ids")
+            if getattr(cfg, n)
+        ]
+        need(not v41_only, f"{v41_only} are V4.1 fields, but model_type is {cfg.model_type!r}")
     q = cfg.quantization_config
     if q is not None:
         block = q.get("weight_block_size") if isinstance(q, dict) else None
@@ -293,4 +352,79 @@ def _validate(cfg: ModelConfig) -> None:
         need(
             q.get("quant_method", "fp8") == "fp8",
             f"quantization_config.quant_method={q.get('quant_method')!r} is not supported (only 'fp8')",
+        )
+
+
+def _validate_v41(cfg: ModelConfig, need: Callable[[bool, str], None]) -> None:
+    """The V4.1 cross-field rules of model-spec §2."""
+    n_layers, ratios = cfg.num_hidden_layers, cfg.compress_ratios
+    for name in (
+        "kv_source_layer_ids",
+        "index_source_layer_ids",
+        "engram_layer_ids",
+        "dspark_target_layer_ids",
+    ):
+        ids = getattr(cfg, name)
+        need(list(ids) == sorted(set(ids)), f"{name}={list(ids)} must be sorted and unique")
+        need(all(0 <= i < n_layers for i in ids), f"{name}={list(ids)} must lie in [0, {n_layers})")
+    need(cfg.num_hash_layers == 0, f"num_hash_layers={cfg.num_hash_layers}: V4.1 has no hash-routed layers")
+    kv, index = cfg.kv_source_layer_ids, cfg.index_source_layer_ids
+    need(set(kv) <= set(index), f"kv_source_layer_ids={list(kv)} must all be index sources {list(index)}")
+    for layer in range(n_layers):
+        if ratios[layer] == 0:
+            need(layer not in index, f"index source {layer} has compress_ratios[{layer}]=0")
+            continue
+        for name, ids in (("kv_source_layer_ids", kv), ("index_source_layer_ids", index)):
+            source = max((s for s in ids if s <= layer), default=None)
+            need(source is not None, f"layer {layer} (ratio {ratios[layer]}) has no source in {name}")
+            need(
+                ratios[source] == ratios[layer],
+                f"layer {layer} has ratio {ratios[layer]}, its {name} source {source} has {ratios[source]}",
+            )
+    cand = cfg.candidate_source_layer_id
+    if cand >= 0:
+        need(
+            cand in kv and cand in index, f"candidate_source_layer_id={cand} must be a KV and an index source"
+        )
+        need(
+            cfg.candidate_topk_blocks > 0 and cfg.candidate_block_size > 0,
+            "candidate_topk_blocks and candidate_block_size must be positive with a candidate source",
+        )
+        consumers = [s for s in index if s > cand and ratios[s] != ratios[cand]]
+        need(not consumers, f"index sources {consumers} above candidate source {cand} have another ratio")
+        reach = (cfg.candidate_topk_blocks - 1) * cfg.candidate_block_size + 1
+        need(
+            reach >= cfg.index_topk,
+            f"(candidate_topk_blocks-1)*candidate_block_size+1={reach} is below index_topk={cfg.index_topk}",
+        )
+    if cfg.engram_layer_ids:
+        need(
+            len(cfg.engram_num_embeddings) == len(cfg.engram_layer_ids),
+            f"engram_num_embeddings has {len(cfg.engram_num_embeddings)} entries for "
+            f"{len(cfg.engram_layer_ids)} engram_layer_ids",
+        )
+        for name in ("engram_max_ngram_size", "engram_vocab_size", "engram_n_heads", "engram_head_dim",
+                     "engram_compressed_vocab_size"):  # fmt: skip
+            need(getattr(cfg, name) > 0, f"{name}={getattr(cfg, name)} must be positive with Engram layers")
+        need(
+            cfg.engram_max_ngram_size >= 2, f"engram_max_ngram_size={cfg.engram_max_ngram_size} must be >= 2"
+        )
+        need(
+            0 <= cfg.engram_pad_token_id < cfg.vocab_size,
+            f"engram_pad_token_id={cfg.engram_pad_token_id} is outside the vocabulary [0, {cfg.vocab_size})",
+        )
+    if cfg.num_nextn_predict_layers:
+        need(cfg.dspark_block_size > 0, f"dspark_block_size={cfg.dspark_block_size} must be positive")
+        need(
+            0 <= cfg.dspark_noise_token_id < cfg.vocab_size,
+            f"dspark_noise_token_id={cfg.dspark_noise_token_id} is outside [0, vocab_size={cfg.vocab_size})",
+        )
+        need(
+            bool(cfg.dspark_target_layer_ids), "dspark_target_layer_ids must not be empty with DSpark stages"
+        )
+        need(cfg.dspark_markov_rank > 0, f"dspark_markov_rank={cfg.dspark_markov_rank} must be positive")
+        experts = cfg.dspark_n_routed_experts or cfg.n_routed_experts
+        top_k = cfg.dspark_num_experts_per_tok or cfg.num_experts_per_tok
+        need(
+            top_k <= experts, f"dspark_num_experts_per_tok={top_k} exceeds dspark_n_routed_experts={experts}"
         )
