@@ -1,0 +1,306 @@
+"""Engram (DeepSeek V4.1, model-spec §6): n-gram hash tables injected into the hc streams.
+
+``EngramConfig`` carries the ``engram_*`` fields and checks the prime bucket layout (§6.2) against
+``engram_num_embeddings``. ``compressed_token_map`` builds the normalised token map from a tokenizer and
+``EngramHasher`` turns token ids into bucket ids for every Engram layer (§6.3), carrying the request's last
+``N_max - 1`` compressed ids so chunked prefill and decode hash exactly like one-shot prefill. ``Engram`` is
+one layer's lookup and gated fusion (§6.4), mounted by the model as ``layers.N.engram``.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import unicodedata
+from collections.abc import Mapping
+from dataclasses import dataclass
+from itertools import accumulate
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tokenizers import Tokenizer
+from torch import nn
+
+from triton_kernels.engram import HashTables, engram_gather, engram_hash, hash_tables
+
+_SEED_PRIME = 10007
+_INT64_MAX = 2**63 - 1
+_WHITESPACE_RUN = re.compile(r"[ \t\r\n]+")
+# Unicode White_Space, what `tokenizers`' Strip removes; Python's str.strip would also drop U+001C..U+001F.
+_WHITE_SPACE = (
+    "\t\n\v\f\r \x85\xa0\u1680" + "".join(map(chr, range(0x2000, 0x200B))) + "\u2028\u2029\u202f\u205f\u3000"
+)
+_MARKS = ("Mn", "Mc", "Me")
+_REPLACEMENT = "\ufffd"
+
+
+@dataclass(frozen=True)
+class BucketLayout:
+    """Primes and column offsets per Engram layer; column ``(o - 2) * h_E + h`` is order ``o``, head ``h``."""
+
+    primes: tuple[tuple[int, ...], ...]
+    offsets: tuple[tuple[int, ...], ...]
+
+    @property
+    def rows(self) -> tuple[int, ...]:
+        return tuple(sum(p) for p in self.primes)
+
+
+def _is_prime(n: int) -> bool:
+    if n < 4:
+        return n >= 2
+    if n % 2 == 0 or n % 3 == 0:
+        return False
+    f = 5
+    while f * f <= n:
+        if n % f == 0 or n % (f + 2) == 0:
+            return False
+        f += 6
+    return True
+
+
+@functools.cache
+def bucket_layout(n_layers: int, max_ngram_size: int, n_heads: int, vocab_size: int) -> BucketLayout:
+    used: set[int] = set()
+    primes = []
+    for _ in range(n_layers):
+        layer = []
+        for _order in range(2, max_ngram_size + 1):
+            candidate = vocab_size - 1  # the search restarts for every (layer, order)
+            for _head in range(n_heads):
+                candidate += 1
+                while candidate in used or not _is_prime(candidate):
+                    candidate += 1
+                used.add(candidate)
+                layer.append(candidate)
+        primes.append(tuple(layer))
+    offsets = tuple(tuple(accumulate(p[:-1], initial=0)) for p in primes)
+    return BucketLayout(tuple(primes), offsets)
+
+
+def multipliers(layer_id: int, max_ngram_size: int, compressed_vocab_size: int) -> np.ndarray:
+    """The odd per-look-back multipliers of one Engram layer, int64 [N_max]."""
+    bound = max(1, _INT64_MAX // compressed_vocab_size // 2)
+    draws = np.random.default_rng(_SEED_PRIME * layer_id).integers(
+        0, bound, size=max_ngram_size, dtype=np.int64
+    )
+    return 2 * draws + 1
+
+
+@dataclass(frozen=True)
+class EngramConfig:
+    layer_ids: tuple[int, ...]
+    num_embeddings: tuple[int, ...]
+    max_ngram_size: int
+    vocab_size: int  # the prime search start
+    n_heads: int
+    head_dim: int
+    pad_token_id: int
+    compressed_vocab_size: int
+    hc_mult: int
+    hidden_size: int
+    norm_eps: float
+
+    def __post_init__(self) -> None:
+        ids = self.layer_ids
+        if not ids or list(ids) != sorted(set(ids)) or ids[0] < 0:
+            raise ValueError(f"engram_layer_ids: {list(ids)} must be non-empty, sorted, unique and >= 0")
+        if len(self.num_embeddings) != len(ids):
+            raise ValueError(
+                f"engram_num_embeddings: {len(self.num_embeddings)} entries != {len(ids)} engram layers"
+            )
+        for name, value, low in (
+            ("engram_max_ngram_size", self.max_ngram_size, 2),
+            ("engram_vocab_size", self.vocab_size, 1),
+            ("engram_n_heads", self.n_heads, 1),
+            ("engram_head_dim", self.head_dim, 1),
+            ("engram_pad_token_id", self.pad_token_id, 0),
+            ("engram_compressed_vocab_size", self.compressed_vocab_size, 1),
+            ("hc_mult", self.hc_mult, 1),
+            ("hidden_size", self.hidden_size, 1),
+        ):
+            if value < low:
+                raise ValueError(f"{name}: {value} must be >= {low}")
+        if not self.norm_eps > 0:
+            raise ValueError(f"rms_norm_eps: {self.norm_eps} must be > 0")
+        for slot, (layer, rows) in enumerate(zip(ids, self.num_embeddings, strict=True)):
+            if rows != self.layout.rows[slot]:
+                raise ValueError(
+                    f"engram_num_embeddings[{slot}]: {rows} != {self.layout.rows[slot]}, the sum of the "
+                    f"primes of layer {layer}"
+                )
+
+    @classmethod
+    def from_dict(cls, text_config: Mapping[str, Any]) -> EngramConfig:
+        """From a V4.1 ``text_config`` (the official ``engram_pad_id`` is accepted for the pad id)."""
+        cfg = dict(text_config)
+        if "engram_pad_token_id" not in cfg and "engram_pad_id" in cfg:
+            cfg["engram_pad_token_id"] = cfg["engram_pad_id"]
+        keys = {
+            "layer_ids": "engram_layer_ids",
+            "num_embeddings": "engram_num_embeddings",
+            "max_ngram_size": "engram_max_ngram_size",
+            "vocab_size": "engram_vocab_size",
+            "n_heads": "engram_n_heads",
+            "head_dim": "engram_head_dim",
+            "pad_token_id": "engram_pad_token_id",
+            "compressed_vocab_size": "engram_compressed_vocab_size",
+            "hc_mult": "hc_mult",
+            "hidden_size": "hidden_size",
+            "norm_eps": "rms_norm_eps",
+        }
+        missing = [key for key in keys.values() if key not in cfg]
+        if missing:
+            raise ValueError(f"config: missing {', '.join(missing)}")
+        values = {field: cfg[key] for field, key in keys.items()}
+        return cls(
+            **{
+                **values,
+                "layer_ids": tuple(values["layer_ids"]),
+                "num_embeddings": tuple(values["num_embeddings"]),
+            }
+        )
+
+    @property
+    def cols(self) -> int:
+        return (self.max_ngram_size - 1) * self.n_heads
+
+    @property
+    def layout(self) -> BucketLayout:
+        return bucket_layout(len(self.layer_ids), self.max_ngram_size, self.n_heads, self.vocab_size)
+
+
+def normalize_token_text(text: str) -> str:
+    """NFKC, NFD, drop combining marks, lowercase, collapse whitespace runs, then ``" "`` or strip."""
+    text = unicodedata.normalize("NFD", unicodedata.normalize("NFKC", text))
+    text = "".join(c.lower() for c in text if unicodedata.category(c) not in _MARKS)
+    text = _WHITESPACE_RUN.sub(" ", text)
+    return text if text == " " else text.strip(_WHITE_SPACE)
+
+
+def compressed_token_map(tokenizer: Tokenizer) -> tuple[np.ndarray, int]:
+    """Token id -> compressed id (int64 [V]) and the number of compressed ids (model-spec §6.3)."""
+    keys: dict[str, int] = {}
+    vocab = tokenizer.get_vocab_size(with_added_tokens=True)
+    out = np.empty(vocab, dtype=np.int64)
+    for tid in range(vocab):
+        text = tokenizer.decode([tid], skip_special_tokens=False)
+        if _REPLACEMENT in text:  # a partial UTF-8 sequence: key by the raw token string
+            key = tokenizer.id_to_token(tid)
+        else:
+            key = normalize_token_text(text) or text
+        out[tid] = keys.setdefault(key, len(keys))
+    return out, len(keys)
+
+
+@dataclass(frozen=True)
+class EngramHasher:
+    """Token ids -> bucket ids of every Engram layer, on the device that holds its tables."""
+
+    config: EngramConfig
+    token_map: torch.Tensor  # [V] int64
+    tables: HashTables
+
+    @classmethod
+    def build(
+        cls, config: EngramConfig, token_map: np.ndarray, device: torch.device | str = "cpu"
+    ) -> EngramHasher:
+        count = int(token_map.max()) + 1 if token_map.size else 0
+        if count != config.compressed_vocab_size:
+            raise ValueError(
+                f"engram_compressed_vocab_size: {config.compressed_vocab_size} != {count}, the count of the "
+                "tokenizer's compressed token map"
+            )
+        if config.pad_token_id >= token_map.size:
+            raise ValueError(
+                f"engram_pad_token_id: {config.pad_token_id} outside the vocabulary [0, {token_map.size})"
+            )
+        layout = config.layout
+        tables = hash_tables(
+            [multipliers(layer, config.max_ngram_size, count) for layer in config.layer_ids],
+            layout.primes,
+            layout.offsets,
+            int(token_map[config.pad_token_id]),
+            count,
+            device,
+        )
+        return cls(config, torch.from_numpy(token_map).to(device), tables)
+
+    @property
+    def history_len(self) -> int:
+        return self.config.max_ngram_size - 1
+
+    def compress(self, token_ids: torch.Tensor, dead: torch.Tensor | None = None) -> torch.Tensor:
+        """Compressed ids [S] int64, ``-1`` at dead positions. Token ids are not range-checked."""
+        cids = self.token_map[token_ids.long()]
+        return cids if dead is None else cids.masked_fill(dead, -1)
+
+    def __call__(
+        self, token_ids: torch.Tensor, history: torch.Tensor, dead: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Bucket ids [S, L_E, cols] int32 (offset per column) and the history to pass with the next chunk.
+
+        ``history`` holds the request's last ``<= N_max - 1`` compressed ids (empty at its start; dead =
+        -1); missing look-backs hash as pad. ``dead`` [S] bool marks image positions (text-only: None).
+        """
+        if token_ids.dim() != 1:
+            raise ValueError(f"token_ids: shape {tuple(token_ids.shape)} must be [S]")
+        if history.dim() != 1 or history.numel() > self.history_len:
+            raise ValueError(
+                f"history: shape {tuple(history.shape)} must be [H] with H <= {self.history_len}"
+            )
+        if dead is not None and (dead.dtype != torch.bool or dead.shape != token_ids.shape):
+            raise ValueError(f"dead: {dead.dtype} {tuple(dead.shape)} must be bool {tuple(token_ids.shape)}")
+        cids = torch.cat((history.to(self.token_map.device, torch.int64), self.compress(token_ids, dead)))
+        return engram_hash(cids, history.numel(), self.tables), cids[-self.history_len :]
+
+
+class _Table(nn.Module):
+    def __init__(self, rows: int, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(rows, dim))
+
+
+class Engram(nn.Module):
+    """One Engram layer (model-spec §6.4): ``embed.weight``, ``wkv.weight``, ``q_weight``, ``k_weight``.
+
+    ``embed.weight`` may stay in host memory (pinned) while the rest lives on the device: the lookup
+    gathers on the host and copies only the rows it needs (``triton_kernels.engram.engram_gather``).
+    """
+
+    def __init__(self, config: EngramConfig, layer_id: int):
+        super().__init__()
+        if layer_id not in config.layer_ids:
+            raise ValueError(f"layer_id: {layer_id} is not one of engram_layer_ids {list(config.layer_ids)}")
+        n, d = config.hc_mult, config.hidden_size
+        self.cols, self.eps = config.cols, config.norm_eps
+        self.embed = _Table(config.num_embeddings[config.layer_ids.index(layer_id)], config.head_dim)
+        self.wkv = nn.Linear(config.cols * config.head_dim, (n + 1) * d, bias=False)
+        self.q_weight = nn.Parameter(torch.empty(n, d))
+        self.k_weight = nn.Parameter(torch.empty(n, d))
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, dead: torch.Tensor | None = None) -> torch.Tensor:
+        """``x`` [S, n, D] streams, ``ids`` [S, cols] this layer's bucket ids, ``dead`` [S] bool -> like x."""
+        n, d = self.q_weight.shape
+        if x.dim() != 3 or x.shape[1:] != (n, d):
+            raise ValueError(f"x: shape {tuple(x.shape)} must be [S, {n}, {d}]")
+        s = x.shape[0]
+        if ids.shape != (s, self.cols):
+            raise ValueError(f"ids: shape {tuple(ids.shape)} must be ({s}, {self.cols})")
+        if dead is not None and (dead.dtype != torch.bool or dead.shape != (s,)):
+            raise ValueError(f"dead: {dead.dtype} {tuple(dead.shape)} must be bool ({s},)")
+        rows = engram_gather(self.embed.weight, ids, x.device).flatten(1)
+        kv = F.linear(rows.to(self.wkv.weight.dtype), self.wkv.weight).float()
+        key, val = kv[:, : n * d].view(s, n, d), kv[:, n * d :]
+        xf = x.float()
+        dot = (xf * self.q_weight.float() * self.k_weight.float() * key).sum(-1)
+        dot = (
+            dot * torch.rsqrt(xf.square().mean(-1) + self.eps) * torch.rsqrt(key.square().mean(-1) + self.eps)
+        )
+        dot = dot * d**-0.5
+        gate = torch.sigmoid(dot.sign() * dot.abs().clamp_min(1e-6).sqrt())
+        if dead is not None:
+            gate = gate.masked_fill(dead[:, None], 0.0)
+        return (xf + gate[:, :, None] * val[:, None, :]).to(x.dtype)
