@@ -39,3 +39,10 @@ class MhcBlock(nn.Module):
             hc_eps=self.cfg.hc_eps,
             sinkhorn_iters=self.cfg.hc_sinkhorn_iters,
         )
+
+
+def one_hot_premix(tokens: int, streams: int, device: torch.device) -> torch.Tensor:
+    """The pre-mix entering a V4.1 single-pass chain: all weight on stream 0."""
+    carry = torch.zeros(tokens, streams, device=device)
+    carry[:, 0] = 1.0
+    return carry

@@ -14,11 +14,15 @@ from safetensors import safe_open
 
 from model.config import ModelConfig
 from model.deepseek_v4 import DeepseekV4
+from model.deepseek_v41 import DeepseekV41
+from model.engram import compressed_token_map
 from model.quant import dequantize_fp8
+from model.tokenizer import load_tokenizer
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 # Kept in fp32 whatever the compute dtype: mHC, sinks, compressor position bias, gate bias, norms.
+_TEXT_ONLY_SKIPS = re.compile(r"(\.gate\.bias_vl(\.|$)|^(vision|aligner)\.|^image_(start|newline|end)\b)")
 _FP32 = re.compile(r"(hc_\w+|attn_sink|\.ape|gate\.bias|norm\.weight)$")
 
 
@@ -64,18 +68,31 @@ def dequantize(
     return out
 
 
+def build_model(cfg: ModelConfig, path: str | Path) -> DeepseekV4 | DeepseekV41:
+    """The model of ``cfg``, on ``meta``: V4.1 Engram needs the checkpoint's tokenizer."""
+    token_map = None
+    if cfg.is_v41 and cfg.engram_layer_ids:
+        token_map, _ = compressed_token_map(load_tokenizer(path))
+    with torch.device("meta"):
+        return DeepseekV41(cfg, token_map) if cfg.is_v41 else DeepseekV4(cfg)
+
+
 def load_model(
     path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> DeepseekV4:
     cfg = ModelConfig.from_file(path)
-    with torch.device("meta"):
-        model = DeepseekV4(cfg)
-    weights = dequantize(read_tensors(path), cfg.fp8_block, dtype)
+    model = build_model(cfg, path)
+    weights = dequantize(_drop_unused(read_tensors(path)), cfg.fp8_block, dtype)
     check_names(model.checkpoint_names(), weights)
     model = model.to_empty(device=device)
     model.load_official(weights)
-    model.init_rope()
+    model.init_buffers()
     return model.eval()
+
+
+def _drop_unused(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Tensors a text-only build never uses: the image-token gate bias and the vision tower."""
+    return {n: t for n, t in tensors.items() if not _TEXT_ONLY_SKIPS.search(n)}
 
 
 def check_names(expected: dict[str, tuple[int, ...]], weights: dict[str, torch.Tensor]) -> None:

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from model.engram import EngramConfig
 from triton_kernels.rope import Yarn
 
 # Names used by the official ``inference/config.json`` -> our (Hugging Face) names.
@@ -413,6 +414,7 @@ def _validate_v41(cfg: ModelConfig, need: Callable[[bool, str], None]) -> None:
             0 <= cfg.engram_pad_token_id < cfg.vocab_size,
             f"engram_pad_token_id={cfg.engram_pad_token_id} is outside the vocabulary [0, {cfg.vocab_size})",
         )
+        EngramConfig.from_dict(asdict(cfg))  # the prime layout must give engram_num_embeddings
     if cfg.num_nextn_predict_layers:
         need(cfg.dspark_block_size > 0, f"dspark_block_size={cfg.dspark_block_size} must be positive")
         need(

@@ -15,10 +15,9 @@ from torch import nn
 from model.attention import AttentionState, Positions, V4Attention
 from model.block import MhcBlock
 from model.config import ModelConfig
-from model.layers import RMSNorm, linear
-from model.plan import LayerPlan, Rope, build_plan
+from model.layers import RMSNorm, RopeFrequencies, check_token_ids, linear
+from model.plan import LayerPlan, build_plan
 from triton_kernels.mhc import hc_collapse, hc_head_coeffs, hc_update
-from triton_kernels.rope import rope_inv_freq
 
 
 @dataclass
@@ -75,9 +74,10 @@ class HcHead(nn.Module):
 
 
 class MtpLayer(Block):
-    """The V4 MTP draft block: a sliding-only block plus its input projections and ``hc_head``.
+    """The V4 MTP draft block (model-spec §8.1): a sliding-only block with input projections and ``hc_head``.
 
-    Its parameters are loaded with the backbone; speculative decoding drives it.
+    At position t it combines the backbone streams ``H_t`` with the embedding of token t+1 and
+    predicts token t+2; its rope and window use position t. Speculative decoding drives it.
     """
 
     def __init__(self, cfg: ModelConfig, plan: LayerPlan):
@@ -90,6 +90,22 @@ class MtpLayer(Block):
         self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hc_head = HcHead(cfg)
+
+    def predict(
+        self,
+        streams: torch.Tensor,
+        next_ids: torch.Tensor,
+        pos: Positions,
+        inv_freq: torch.Tensor,
+        state: AttentionState | None,
+        embed: nn.Embedding,
+        head: nn.Linear,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits ``[S, V]`` for the tokens after ``next_ids``, and the output streams (to chain drafts)."""
+        e = self.e_proj(self.enorm(embed(next_ids)))
+        x = self.h_proj(self.hnorm(streams)) + e[:, None, :]
+        x = self.forward(x, next_ids, pos, inv_freq, state)
+        return head(self.norm(self.hc_head.collapse(x))).float(), x
 
 
 class DeepseekV4(nn.Module):
@@ -104,19 +120,11 @@ class DeepseekV4(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.head = linear(cfg.hidden_size, cfg.vocab_size)
         self.hc_head = HcHead(cfg)
-        self.register_buffer("main_inv_freq", torch.empty(cfg.qk_rope_head_dim // 2), persistent=False)
-        self.register_buffer("compress_inv_freq", torch.empty(cfg.qk_rope_head_dim // 2), persistent=False)
-        self.init_rope()
+        self.rope = RopeFrequencies(cfg)
 
-    def init_rope(self) -> None:
-        """Fill the rope frequency buffers (again after the model is materialised from ``meta``)."""
-        if self.main_inv_freq.is_meta:
-            return
-        cfg = self.cfg
-        self.main_inv_freq.copy_(rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta, None))
-        self.compress_inv_freq.copy_(
-            rope_inv_freq(cfg.qk_rope_head_dim, cfg.compress_rope_theta, cfg.rope_scaling)
-        )
+    def init_buffers(self) -> None:
+        """Fill what the checkpoint does not hold, once a model built on ``meta`` is materialised."""
+        self.rope.fill()
 
     def checkpoint_names(self) -> dict[str, tuple[int, ...]]:
         """Official tensor names and their shapes, as this model loads them."""
@@ -129,23 +137,18 @@ class DeepseekV4(nn.Module):
         device = self.embed.weight.device
         return SequenceState(0, [layer.attn.new_state(device) for layer in self.layers])
 
-    def inv_freq(self, rope: Rope) -> torch.Tensor:
-        return self.main_inv_freq if rope is Rope.MAIN else self.compress_inv_freq
-
     def hidden_streams(self, ids: torch.Tensor, state: SequenceState | None = None) -> torch.Tensor:
         """Backbone streams before ``hc_head`` (the MTP input): ``[S, n, D]``.
 
         Without a state ``ids`` is a whole sequence from position 0 (cache-free path); with one,
         ``ids`` continues the request and the state advances.
         """
-        self._check_ids(ids)
+        check_token_ids(ids, self.cfg.vocab_size)
         start = state.num_tokens if state is not None else 0
         pos = Positions(start, torch.arange(start, start + ids.shape[0], device=ids.device))
         x = self.embed(ids)[:, None, :].expand(-1, self.cfg.hc_mult, -1).contiguous()
         for i, layer in enumerate(self.layers):
-            x = layer(
-                x, ids, pos, self.inv_freq(layer.plan.rope), state.layers[i] if state is not None else None
-            )
+            x = layer(x, ids, pos, self.rope(layer.plan.rope), state.layers[i] if state is not None else None)
         if state is not None:
             state.num_tokens += ids.shape[0]
         return x
@@ -156,16 +159,6 @@ class DeepseekV4(nn.Module):
     def forward(self, ids: torch.Tensor, state: SequenceState | None = None) -> torch.Tensor:
         """Logits ``[S, V]`` (fp32) for token ids ``[S]``."""
         return self.logits(self.hidden_streams(ids, state))
-
-    def _check_ids(self, ids: torch.Tensor) -> None:
-        if ids.dim() != 1 or ids.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"token ids must be a 1-D integer tensor, got {ids.dtype} {tuple(ids.shape)}")
-        if ids.numel() == 0:
-            raise ValueError("token ids are empty: at least one token is required")
-        low, high = int(ids.min()), int(ids.max())
-        if low < 0 or high >= self.cfg.vocab_size:
-            bad = low if low < 0 else high
-            raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.cfg.vocab_size})")
 
 
 # The official names put the ``hc_head_*`` tensors directly on the model (and on ``mtp.0``).

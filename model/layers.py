@@ -5,7 +5,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from model.config import ModelConfig
+from model.plan import Rope
 from triton_kernels.rmsnorm import rms_norm
+from triton_kernels.rope import rope_inv_freq
 
 
 class RMSNorm(nn.Module):
@@ -22,3 +25,35 @@ class RMSNorm(nn.Module):
 
 def linear(hidden: int, out: int) -> nn.Linear:
     return nn.Linear(hidden, out, bias=False)
+
+
+class RopeFrequencies(nn.Module):
+    """The two rope frequency tables: ``main`` (no YaRN) and ``compress`` (YaRN), not checkpointed."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.register_buffer("main", torch.empty(cfg.qk_rope_head_dim // 2), persistent=False)
+        self.register_buffer("compress", torch.empty(cfg.qk_rope_head_dim // 2), persistent=False)
+        self.fill()
+
+    def fill(self) -> None:
+        """Compute the tables (again once a model built on ``meta`` is materialised)."""
+        if self.main.is_meta:
+            return
+        cfg = self.cfg
+        self.main.copy_(rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta, None))
+        self.compress.copy_(rope_inv_freq(cfg.qk_rope_head_dim, cfg.compress_rope_theta, cfg.rope_scaling))
+
+    def forward(self, rope: Rope) -> torch.Tensor:
+        return self.main if rope is Rope.MAIN else self.compress
+
+
+def check_token_ids(ids: torch.Tensor, vocab_size: int) -> None:
+    if ids.dim() != 1 or ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"token ids must be a 1-D integer tensor, got {ids.dtype} {tuple(ids.shape)}")
+    if ids.numel() == 0:
+        raise ValueError("token ids are empty: at least one token is required")
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= vocab_size:
+        raise ValueError(f"token id {low if low < 0 else high} is outside the vocabulary [0, {vocab_size})")

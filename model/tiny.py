@@ -20,8 +20,10 @@ from safetensors.torch import save_file
 from model.checkpoint import INDEX_FILE, SINGLE_FILE
 from model.config import ModelConfig
 from model.deepseek_v4 import DeepseekV4
+from model.deepseek_v41 import DeepseekV41
+from model.engram import compressed_token_map
 from model.quant import quantize_fp8
-from model.tokenizer import load_tokenizer, write_tokenizer
+from model.tokenizer import NOISE_TOKEN_ID, load_tokenizer, write_tokenizer
 
 TOY_V4 = {
     "architectures": ["DeepseekV4ForCausalLM"],
@@ -72,6 +74,42 @@ TOY_V4 = {
     "tie_word_embeddings": False,
     "num_nextn_predict_layers": 1,
 }
+TOY_V41_TEXT = {
+    **{k: TOY_V4[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                              "qk_rope_head_dim", "q_lora_rank", "o_groups", "o_lora_rank", "sliding_window",
+                              "rope_theta", "compress_rope_theta", "max_position_embeddings", "hc_mult",
+                              "hc_sinkhorn_iters", "hc_eps", "n_routed_experts", "n_shared_experts",
+                              "num_experts_per_tok", "moe_intermediate_size", "scoring_func", "topk_method",
+                              "norm_topk_prob", "routed_scaling_factor", "swiglu_limit", "hidden_act",
+                              "attention_bias", "tie_word_embeddings")},
+    "model_type": "deepseek_v41_text",
+    "num_hidden_layers": 10,
+    "compress_ratios": [0, 0, 2, 2, 2, 2, 1, 1, 1, 1],
+    "kv_source_layer_ids": [2, 4, 6],
+    "index_source_layer_ids": [2, 4, 6, 8],
+    "candidate_source_layer_id": 6,
+    "candidate_topk_blocks": 6,
+    "candidate_block_size": 4,
+    "index_n_heads": 16,
+    "index_head_dim": 32,
+    "index_topk": 16,
+    "rope_scaling": {"rope_type": "yarn", "factor": 16, "original_max_position_embeddings": 65536,
+                     "beta_fast": 32, "beta_slow": 1},
+    "rms_norm_eps": 1e-20,
+    "engram_layer_ids": [1, 4],
+    "engram_num_embeddings": [6126, 6332],
+    "engram_max_ngram_size": 4,
+    "engram_vocab_size": 1000,
+    "engram_n_heads": 2,
+    "engram_head_dim": 32,
+    "engram_pad_token_id": 2,
+    "num_nextn_predict_layers": 3,
+    "dspark_block_size": 5,
+    "dspark_target_layer_ids": [7, 8, 9],
+    "dspark_markov_rank": 16,
+    "dspark_n_routed_experts": 4,
+    "dspark_num_experts_per_tok": 2,
+}  # fmt: skip
 FP8_CONFIG = {
     "quant_method": "fp8",
     "fmt": "e4m3",
@@ -88,21 +126,43 @@ _FP8_LINEARS = (
     "attn.wo_b.",
     "indexer.wq_b.",
     "shared_experts.",
+    "engram.wkv.",
     "e_proj.",
     "h_proj.",
 )
 _CLAMPED_EXPERT = 0  # this expert of every layer is scaled up so its SwiGLU clamp is hit
 
 
+ARCHS = ("v4", "v41")
+
+
 def toy_config(arch: str) -> dict:
-    if arch != "v4":
-        raise ValueError(f"unknown tiny architecture {arch!r} (available: 'v4')")
-    return {**TOY_V4, "vocab_size": load_tokenizer().get_vocab_size()}
+    """model-spec §12 with the project tokenizer's vocabulary, noise id and Engram token count."""
+    tokenizer = load_tokenizer()
+    if arch == "v4":
+        return {**TOY_V4, "vocab_size": tokenizer.get_vocab_size()}
+    if arch != "v41":
+        raise ValueError(f"unknown tiny architecture {arch!r} (available: {ARCHS})")
+    text = {
+        **TOY_V41_TEXT,
+        "vocab_size": tokenizer.get_vocab_size(),
+        "dspark_noise_token_id": NOISE_TOKEN_ID,
+        "engram_compressed_vocab_size": compressed_token_map(tokenizer)[1],
+    }
+    return {
+        "architectures": ["DeepseekV41ForCausalLM"],
+        "model_type": "deepseek_v41",
+        "dtype": "float32",
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "pad_token_id": 2,
+        "text_config": text,
+    }
 
 
 def random_weights(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
     with torch.device("meta"):
-        shapes = DeepseekV4(cfg).checkpoint_names()
+        shapes = (DeepseekV41(cfg) if cfg.is_v41 else DeepseekV4(cfg)).checkpoint_names()
     gen = torch.Generator().manual_seed(seed)
 
     def normal(shape: tuple[int, ...], std: float, mean: float = 0.0) -> torch.Tensor:
@@ -115,7 +175,9 @@ def random_weights(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
             t = torch.stack(
                 [torch.randperm(cfg.n_routed_experts, generator=gen)[: shape[1]] for _ in range(shape[0])]
             )
-        elif name.endswith("norm.weight"):
+        elif name.endswith(".engram.embed.weight"):
+            t = normal(shape, 0.02)
+        elif name.endswith("norm.weight") or leaf in ("q_weight", "k_weight"):
             t = normal(shape, 0.1, 1.0)
         elif leaf.endswith("_scale"):  # mHC scales
             t = normal(shape, 0.1, 1.0)
@@ -176,7 +238,7 @@ def write_tiny(out: str | Path, arch: str = "v4", fp8: bool = False, shards: int
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--arch", default="v4", choices=["v4"])
+    parser.add_argument("--arch", default="v4", choices=ARCHS)
     parser.add_argument("--out", required=True)
     parser.add_argument(
         "--fp8", action="store_true", help="store the FP8 linears as E4M3 with E8M0 block scales"

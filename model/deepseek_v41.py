@@ -1,0 +1,146 @@
+"""DeepSeek V4.1: Engram, CSA2 layers sharing compressed KV, single-pass mHC (model-spec §3.2, §5.4).
+
+Each sublayer collapses the streams with the pre-mix of the sublayer before it: attention of
+layer l with the FFN pre-mix of layer l-1 (one-hot on stream 0 before layer 0), the FFN with
+its own layer's attention pre-mix; the final collapse uses the last FFN pre-mix (no ``hc_head``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from model.attention import AttentionState, Positions
+from model.attention_v41 import Published, V41Attention
+from model.block import MhcBlock, one_hot_premix
+from model.config import ModelConfig
+from model.dspark import DSpark
+from model.engram import Engram, EngramConfig, EngramHasher
+from model.layers import RMSNorm, RopeFrequencies, check_token_ids, linear
+from model.plan import LayerPlan, build_plan
+from triton_kernels.mhc import hc_collapse, hc_update
+
+
+@dataclass
+class SequenceState41:
+    """Incremental state of one request."""
+
+    num_tokens: int
+    layers: list[AttentionState]
+    engram_history: torch.Tensor  # the last engram_max_ngram_size - 1 compressed ids
+
+
+@dataclass
+class Forward41:
+    """What one call produces: the collapsed pre-norm hidden ``[S, D]`` and DSpark's features."""
+
+    hidden: torch.Tensor
+    target_features: torch.Tensor  # [S, n_targets, D]: mean over streams entering each target layer
+
+
+class Block41(MhcBlock):
+    def __init__(self, cfg: ModelConfig, plan: LayerPlan, engram: EngramConfig | None):
+        super().__init__(cfg, plan, V41Attention(cfg, plan))
+        if plan.engram:
+            self.engram = Engram(engram, plan.index)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        carry: torch.Tensor,
+        ids: torch.Tensor,
+        pos: Positions,
+        inv_freq: torch.Tensor,
+        state: AttentionState | None,
+        published: Published,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Streams ``x [S, n, D]`` and the carried pre-mix ``[S, n]`` in; both updated out."""
+        attn_pre, post, comb = self.coeffs(x, "attn")
+        a = self.attn(self.attn_norm(hc_collapse(x, carry)), pos, inv_freq, state, published)
+        x = hc_update(x, a, post, comb)
+        ffn_pre, post, comb = self.coeffs(x, "ffn")
+        f = self.ffn(self.ffn_norm(hc_collapse(x, attn_pre)), ids)
+        return hc_update(x, f, post, comb), ffn_pre
+
+
+class DeepseekV41(nn.Module):
+    def __init__(self, cfg: ModelConfig, token_map: np.ndarray | None = None):
+        """``token_map``: the tokenizer's Engram compressed-id map (needed with Engram layers)."""
+        super().__init__()
+        self.cfg = cfg
+        self.plan = build_plan(cfg)
+        self.engram_config = EngramConfig.from_dict(asdict(cfg)) if cfg.engram_layer_ids else None
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block41(cfg, p, self.engram_config) for p in self.plan if not p.is_draft)
+        drafts = [p for p in self.plan if p.is_draft]
+        self.mtp = DSpark(cfg, drafts) if drafts else None
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.head = linear(cfg.hidden_size, cfg.vocab_size)
+        self.token_map = token_map
+        self.hasher: EngramHasher | None = None
+        self.rope = RopeFrequencies(cfg)
+        self.init_buffers()
+
+    def init_buffers(self) -> None:
+        """Rope tables and Engram hash tables (again once a model built on ``meta`` is materialised)."""
+        self.rope.fill()
+        if self.engram_config is None or self.rope.main.is_meta:
+            return
+        if self.token_map is None:
+            raise ValueError("this V4.1 model has Engram layers: a tokenizer token map is required")
+        self.hasher = EngramHasher.build(self.engram_config, self.token_map, self.rope.main.device)
+
+    def checkpoint_names(self) -> dict[str, tuple[int, ...]]:
+        return {name: tuple(t.shape) for name, t in self.state_dict().items()}
+
+    def load_official(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.load_state_dict(tensors, strict=True)
+
+    def new_state(self) -> SequenceState41:
+        device = self.embed.weight.device
+        history = torch.zeros(0, dtype=torch.int64, device=device)
+        return SequenceState41(0, [layer.attn.new_state(device) for layer in self.layers], history)
+
+    def run(self, ids: torch.Tensor, state: SequenceState41 | None = None) -> Forward41:
+        """The backbone over ``ids [S]``: from position 0 without a state, continuing it with one."""
+        check_token_ids(ids, self.cfg.vocab_size)
+        cfg, device = self.cfg, ids.device
+        start = state.num_tokens if state is not None else 0
+        pos = Positions(start, torch.arange(start, start + ids.shape[0], device=device))
+        buckets = None
+        if self.hasher is not None:
+            history = (
+                state.engram_history
+                if state is not None
+                else torch.zeros(0, dtype=torch.int64, device=device)
+            )
+            buckets, history = self.hasher(ids, history)
+            if state is not None:
+                state.engram_history = history
+        x = self.embed(ids)[:, None, :].expand(-1, cfg.hc_mult, -1).contiguous()
+        carry = one_hot_premix(ids.shape[0], cfg.hc_mult, device)
+        published, features = Published(), []
+        for i, layer in enumerate(self.layers):
+            if layer.plan.engram:
+                x = layer.engram(x, buckets[:, cfg.engram_layer_ids.index(i)])
+            if i in cfg.dspark_target_layer_ids:
+                features.append(x.float().mean(dim=1))
+            layer_state = state.layers[i] if state is not None else None
+            x, carry = layer(x, carry, ids, pos, self.rope(layer.plan.rope), layer_state, published)
+        if state is not None:
+            state.num_tokens += ids.shape[0]
+        hidden = hc_collapse(x, carry)
+        targets = (
+            torch.stack(features, dim=1) if features else hidden.new_zeros(ids.shape[0], 0, cfg.hidden_size)
+        )
+        return Forward41(hidden, targets)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(hidden)).float()
+
+    def forward(self, ids: torch.Tensor, state: SequenceState41 | None = None) -> torch.Tensor:
+        """Logits ``[S, V]`` (fp32) for token ids ``[S]``."""
+        return self.logits(self.run(ids, state).hidden)

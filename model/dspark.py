@@ -1,0 +1,140 @@
+"""DSpark draft head of V4.1 (model-spec §8.2): a block of drafted tokens per pass.
+
+Stages ``mtp.0..`` are sliding-only V4.1 blocks forming their own single-pass mHC chain. Context
+comes from the backbone: for every committed position p, ``main_x_p = main_norm(main_proj ·
+concat_l mean_k X^(l)_p)`` over the target layers, turned by each stage into a context key
+(``wkv -> kv_norm -> RoPE(p)``) kept for the last W positions. A draft block ``[a, ν, ..., ν]`` at
+positions ``c+1 .. c+B`` attends, non-causally, to all B block tokens and the stage's context
+keys; a Markov head then proposes the tokens one by one, each with a confidence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from model.attention import Positions, SharedKVAttention
+from model.block import MhcBlock, one_hot_premix
+from model.config import ModelConfig
+from model.layers import RMSNorm, linear
+from model.plan import LayerPlan
+from triton_kernels.mhc import hc_collapse, hc_update
+from triton_kernels.rope import apply_rope
+
+
+@dataclass
+class DSparkState:
+    """Context keys of each stage for the latest committed positions (at most W, oldest first)."""
+
+    keys: list[torch.Tensor]  # per stage [<= W, d]
+    num_tokens: int = 0  # committed positions whose keys were added
+
+
+@dataclass
+class Draft:
+    tokens: list[int]
+    logits: torch.Tensor  # [B, V] fp32: the distribution each token was drawn from (before sampling)
+    confidence: torch.Tensor  # [B] in (0, 1)
+
+
+class DSparkStage(MhcBlock):
+    def __init__(self, cfg: ModelConfig, plan: LayerPlan, first: bool, last: bool):
+        super().__init__(cfg, plan, SharedKVAttention(cfg, plan, head_norm=False))
+        if first:
+            self.main_proj = linear(len(cfg.dspark_target_layer_ids) * cfg.hidden_size, cfg.hidden_size)
+            self.main_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if last:
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.markov_head = nn.Module()
+            self.markov_head.markov_w1 = linear(cfg.dspark_markov_rank, cfg.vocab_size)
+            self.markov_head.markov_w2 = linear(cfg.dspark_markov_rank, cfg.vocab_size)
+            self.confidence_head = nn.Module()
+            self.confidence_head.proj = linear(cfg.hidden_size + cfg.dspark_markov_rank, 1)
+
+    def context_keys(
+        self, main_x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor
+    ) -> torch.Tensor:
+        return apply_rope(self.attn.kv_norm(self.attn.wkv(main_x)), positions, inv_freq)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        carry: torch.Tensor,
+        ids: torch.Tensor,
+        context: torch.Tensor,
+        pos: Positions,
+        inv_freq: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Single-pass block over the draft streams ``x [B, n, D]``; every token sees the whole block."""
+        attn_pre, post, comb = self.coeffs(x, "attn")
+        attn = self.attn
+        _, q, kv = attn.project(self.attn_norm(hc_collapse(x, carry)), pos, inv_freq)
+        pool = torch.cat([context, kv])
+        every = torch.arange(pool.shape[0], device=x.device).expand(x.shape[0], -1)
+        x = hc_update(x, attn.output(q, [(pool, every)], pos, inv_freq), post, comb)
+        ffn_pre, post, comb = self.coeffs(x, "ffn")
+        f = self.ffn(self.ffn_norm(hc_collapse(x, attn_pre)), ids)
+        return hc_update(x, f, post, comb), ffn_pre
+
+
+class DSpark(nn.ModuleList):
+    """The stages, mounted as ``mtp`` (``mtp.0``, ``mtp.1``...); shares the model's ``embed`` and ``head``."""
+
+    def __init__(self, cfg: ModelConfig, plans: list[LayerPlan]):
+        last = len(plans) - 1
+        super().__init__(DSparkStage(cfg, p, i == 0, i == last) for i, p in enumerate(plans))
+        self.cfg = cfg
+
+    def new_state(self, device: torch.device) -> DSparkState:
+        return DSparkState([torch.zeros(0, self.cfg.head_dim, device=device) for _ in self])
+
+    def add_context(self, features: torch.Tensor, state: DSparkState, inv_freq: torch.Tensor) -> None:
+        """Add the context keys of the next committed positions, from backbone ``features [S, n_T, D]``."""
+        first = self[0]
+        main_x = first.main_norm(first.main_proj(features.flatten(1).to(first.main_proj.weight.dtype)))
+        positions = torch.arange(
+            state.num_tokens, state.num_tokens + features.shape[0], device=features.device
+        )
+        window = self.cfg.sliding_window
+        for i, stage in enumerate(self):
+            keys = torch.cat([state.keys[i], stage.context_keys(main_x, positions, inv_freq)])
+            state.keys[i] = keys[max(0, keys.shape[0] - window) :]
+        state.num_tokens += features.shape[0]
+
+    @torch.no_grad()
+    def propose(
+        self,
+        anchor: int,
+        state: DSparkState,
+        embed: nn.Embedding,
+        head: nn.Linear,
+        inv_freq: torch.Tensor,
+        sample: Callable[[torch.Tensor], int] = lambda logits: int(logits.argmax()),
+    ) -> Draft:
+        """Draft ``dspark_block_size`` tokens after the anchor (the token at position ``num_tokens``)."""
+        cfg, device = self.cfg, embed.weight.device
+        block = cfg.dspark_block_size
+        ids = torch.full((block,), cfg.dspark_noise_token_id, device=device)
+        ids[0] = anchor
+        start = state.num_tokens
+        pos = Positions(start, torch.arange(start, start + block, device=device))
+        x = embed(ids)[:, None, :].expand(-1, cfg.hc_mult, -1).contiguous()
+        carry = one_hot_premix(block, cfg.hc_mult, device)
+        for stage, context in zip(self, state.keys, strict=True):
+            x, carry = stage(x, carry, ids, context, pos, inv_freq)
+        last = self[-1]
+        hidden = hc_collapse(x, carry).float()
+        base = head(last.norm(hidden).to(head.weight.dtype)).float()  # U_k
+        tokens, logits, confidence, prev = [], [], [], anchor
+        for k in range(block):
+            mu = last.markov_head.markov_w1.weight[prev].float()
+            step = base[k] + last.markov_head.markov_w2.weight.float() @ mu
+            conf = torch.sigmoid(last.confidence_head.proj.weight.float() @ torch.cat([hidden[k], mu]))
+            prev = sample(step)
+            tokens.append(prev)
+            logits.append(step)
+            confidence.append(conf[0])
+        return Draft(tokens, torch.stack(logits), torch.stack(confidence))

@@ -1,0 +1,244 @@
+"""DeepSeek V4.1 on the tiny checkpoint: incremental == cache-free, two-level TopK, sources, DSpark."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from model.attention import Positions
+from model.attention_v41 import Indexer41, V41Attention, candidate_mask, top_k_positions
+from model.block import one_hot_premix
+from model.checkpoint import SINGLE_FILE, load_model
+from model.config import ModelConfig
+from model.plan import Attention, Candidates
+from model.tiny import write_tiny
+
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return write_tiny(tmp_path_factory.mktemp("tiny-v41"), arch="v41")
+
+
+@pytest.fixture(scope="module")
+def model(tiny_dir):
+    return load_model(tiny_dir)
+
+
+def prompt(length: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, 4096, (length,), generator=torch.Generator().manual_seed(seed))
+
+
+def with_config(src, dst, **changes):
+    """A copy of checkpoint ``src`` whose text config has ``changes``."""
+    dst.mkdir()
+    raw = json.loads((src / "config.json").read_text())
+    raw["text_config"].update(changes)
+    (dst / "config.json").write_text(json.dumps(raw))
+    for name in (SINGLE_FILE, "tokenizer.json"):
+        (dst / name).symlink_to(src / name)
+    return dst
+
+
+def chunked(model, ids: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    state, outs, start = model.new_state(), [], 0
+    while start < ids.shape[0]:
+        size = sizes[min(len(outs), len(sizes) - 1)]
+        outs.append(model(ids[start : start + size], state))
+        start += size
+    assert state.num_tokens == ids.shape[0]
+    return torch.cat(outs)
+
+
+def test_plan_of_the_toy(model):
+    kinds = [p.attention for p in model.plan if not p.is_draft]
+    assert kinds == [Attention.SLIDING] * 2 + [Attention.FULL, Attention.REUSE] * 2 + [
+        Attention.FULL, Attention.REUSE, Attention.REINDEX, Attention.REUSE,
+    ]  # fmt: skip
+    assert [model.plan[i].candidates for i in (6, 7, 8)] == [
+        Candidates.SOURCE,
+        Candidates.NONE,
+        Candidates.CONSUMER,
+    ]
+    assert [model.plan[i].kv_source for i in (3, 5, 7, 9)] == [2, 4, 6, 6]
+    assert model.plan[9].index_source == 8
+    assert not any(n.startswith("hc_head") for n in model.checkpoint_names())
+
+
+@pytest.mark.parametrize("length", [1, 9, 200, 600])
+def test_incremental_and_chunked_equal_cache_free(model, length):
+    ids = prompt(length, seed=length)
+    with torch.no_grad():
+        full = model(ids)
+        prefill = max(1, length - 24)  # prefill, then decode the rest token by token
+        state = model.new_state()
+        incremental = torch.cat(
+            [model(ids[:prefill], state)] + [model(ids[t : t + 1], state) for t in range(prefill, length)]
+        )
+        diffs = {"incremental": (incremental - full).abs().max().item()}
+        for size in (1, 5, 64):
+            if size == 1 and length > 200:
+                continue  # token by token is the incremental path above; keep the suite fast
+            diffs[f"chunks of {size}"] = (chunked(model, ids, [size]) - full).abs().max().item()
+    print(f"length {length}: max |logits - cache-free| {diffs}")
+    assert max(diffs.values()) <= TOL
+
+
+def test_two_level_with_every_block_kept_equals_one_level(tiny_dir, tmp_path):
+    one_level = load_model(with_config(tiny_dir, tmp_path / "one", candidate_source_layer_id=-1))
+    every_block = load_model(with_config(tiny_dir, tmp_path / "all", candidate_topk_blocks=10_000))
+    ids = prompt(300, seed=7)
+    with torch.no_grad():
+        assert torch.equal(one_level(ids), every_block(ids))
+
+
+def test_two_level_selection_invariants(model, monkeypatch):
+    record = []
+    select = Indexer41.select
+
+    def spy(self, scores, pos, published):
+        picked = select(self, scores, pos, published)
+        record.append((self.plan, pos, published.candidates, picked))
+        return picked
+
+    monkeypatch.setattr(Indexer41, "select", spy)
+    with torch.no_grad():
+        model(prompt(400, seed=3))
+    cfg = model.cfg
+    source = next(r for r in record if r[0].candidates is Candidates.SOURCE)
+    consumer = next(r for r in record if r[0].candidates is Candidates.CONSUMER)
+    _, pos, candidates, _ = source
+    visible = pos.visible_entries(1)
+    newest = (visible - 1) // cfg.candidate_block_size * cfg.candidate_block_size
+    assert candidates[torch.arange(len(visible)), newest].all()  # the newest block is always a candidate
+    kept_blocks = candidates[:, :: cfg.candidate_block_size].sum(dim=1)
+    assert (kept_blocks <= cfg.candidate_topk_blocks).all()
+    picked = consumer[3]
+    rows = torch.arange(picked.shape[0])[:, None].expand_as(picked)
+    valid = picked >= 0
+    assert candidates[rows[valid], picked[valid]].all()  # consumers pick only inside candidates
+    assert (picked[valid] < visible[:, None].expand_as(picked)[valid]).all()
+    # the source's own selection is unrestricted: it picks outside its candidates somewhere
+    own = source[3]
+    assert not candidates[rows[own >= 0], own[own >= 0]].all()
+
+
+def test_reuse_reads_its_source_and_reindex_rescoring(model, monkeypatch):
+    ids = prompt(120, seed=5)
+    outputs = {}
+    hooks = [
+        layer.attn.register_forward_hook(lambda m, a, out, i=i: outputs.__setitem__(i, out.clone()))
+        for i, layer in enumerate(model.layers)
+    ]
+    topk = {}
+    forward = V41Attention.forward
+
+    def perturbing(self, x, pos, inv_freq, state, published):
+        out = forward(self, x, pos, inv_freq, state, published)
+        if self.plan.index == 4 and perturb:
+            published.kv[4] = published.kv[4] + 0.5  # what the source publishes, after it used it
+        topk.update(published.topk)
+        return out
+
+    monkeypatch.setattr(V41Attention, "forward", perturbing)
+    with torch.no_grad():
+        perturb = False
+        model(ids)
+        clean = dict(outputs)
+        perturb = True
+        model(ids)
+    for h in hooks:
+        h.remove()
+    assert not torch.allclose(outputs[5], clean[5])  # Reuse 5 reads source 4's KV
+    assert torch.equal(outputs[3], clean[3])  # Reuse 3 reads source 2: untouched
+    assert not torch.equal(topk[8], topk[6])  # Reindex 8 re-scores with its own queries
+    assert topk[8].shape == topk[6].shape
+
+
+def test_layer0_attention_input_is_the_normed_embedding(model):
+    ids = prompt(16)
+    seen = []
+    hook = model.layers[0].attn.register_forward_pre_hook(lambda m, a: seen.append(a[0]))
+    with torch.no_grad():
+        model(ids)
+    hook.remove()
+    assert torch.allclose(seen[0], model.layers[0].attn_norm(model.embed(ids)), atol=1e-6)
+
+
+def test_candidate_mask_and_top_k_reference():
+    scores = torch.tensor([[3.0, 1.0, 2.0, 5.0, -float("inf"), -float("inf")]])
+    mask = candidate_mask(scores, torch.tensor([4]), block=2, keep=1)
+    assert mask.tolist() == [[False, False, True, True, False, False]]  # newest block pinned, takes the slot
+    mask = candidate_mask(scores, torch.tensor([4]), block=2, keep=5)
+    assert mask.tolist() == [[True, True, True, True, False, False]]  # never an all -inf block
+    ties = torch.tensor([[1.0, 2.0, 2.0, 2.0, -float("inf")]])
+    assert top_k_positions(ties, 2).tolist() == [[1, 2]]  # ties go to the lower index
+    assert top_k_positions(ties, 5).tolist() == [[0, 1, 2, 3, -1]]
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"engram_num_embeddings": [6126, 6333]}, "engram_num_embeddings"),
+        ({"kv_source_layer_ids": [2, 4, 6, 9]}, "kv_source_layer_ids"),
+        ({"index_source_layer_ids": [2, 6, 8]}, "kv_source_layer_ids"),
+        ({"candidate_topk_blocks": 2}, "index_topk"),
+        ({"compress_ratios": [0, 0, 2, 2, 2, 1, 1, 1, 1, 1]}, "ratio"),
+        ({"candidate_source_layer_id": 8}, "candidate_source_layer_id"),
+        ({"dspark_target_layer_ids": [7, 12]}, "dspark_target_layer_ids"),
+        ({"hc_head_learned": True}, "unknown V4.1 fields"),
+        ({"num_hash_layers": 2}, "num_hash_layers"),
+    ],
+)
+def test_bad_v41_config_fails_at_start(tiny_dir, change, message):
+    raw = json.loads((tiny_dir / "config.json").read_text())
+    raw["text_config"].update(change)
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_dict(raw)
+
+
+def test_bad_v41_checkpoint_fails_at_start(tiny_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(tiny_dir / SINGLE_FILE)
+    del tensors["layers.4.engram.wkv.weight"]
+    tensors["mtp.2.markov_head.extra"] = torch.zeros(1)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    save_file(tensors, bad / SINGLE_FILE)
+    for name in ("config.json", "tokenizer.json"):
+        (bad / name).symlink_to(tiny_dir / name)
+    with pytest.raises(
+        ValueError, match="missing: layers.4.engram.wkv.weight.*unexpected: mtp.2.markov_head.extra"
+    ):
+        load_model(bad)
+
+
+def test_dspark_block_is_non_causal_with_a_bounded_context(model):
+    cfg, stage = model.cfg, model.mtp[0]
+    block, device = cfg.dspark_block_size, torch.device("cpu")
+    ids = torch.full((block,), cfg.dspark_noise_token_id)
+    ids[0] = 7
+    pos = Positions(40, torch.arange(40, 40 + block))
+    context = torch.randn(cfg.sliding_window, cfg.head_dim, generator=torch.Generator().manual_seed(0))
+
+    def run(ids, context):
+        x = model.embed(ids)[:, None, :].expand(-1, cfg.hc_mult, -1).contiguous()
+        return stage(x, one_hot_premix(block, cfg.hc_mult, device), ids, context, pos, model.rope.main)[0]
+
+    with torch.no_grad():
+        base = run(ids, context)
+        later = ids.clone()
+        later[-1] = 11
+        assert not torch.allclose(run(later, context)[0], base[0])  # a later token changes the first output
+        state = model.mtp.new_state(device)
+        out = model.run(prompt(50), None)
+        model.mtp.add_context(out.target_features, state, model.rope.main)
+        assert all(k.shape[0] == cfg.sliding_window for k in state.keys) and state.num_tokens == 50
+        draft = model.mtp.propose(5, state, model.embed, model.head, model.rope.main)
+    assert len(draft.tokens) == block and draft.logits.shape == (block, cfg.vocab_size)
+    assert ((draft.confidence > 0) & (draft.confidence < 1)).all()
+    assert draft.tokens == draft.logits.argmax(-1).tolist()
