@@ -156,9 +156,12 @@ class DeepseekV4(nn.Module):
     def logits(self, streams: torch.Tensor) -> torch.Tensor:
         return self.head(self.norm(self.hc_head.collapse(streams))).float()
 
-    def forward(self, ids: torch.Tensor, state: SequenceState | None = None) -> torch.Tensor:
-        """Logits ``[S, V]`` (fp32) for token ids ``[S]``."""
-        return self.logits(self.hidden_streams(ids, state))
+    def forward(
+        self, ids: torch.Tensor, state: SequenceState | None = None, last_only: bool = False
+    ) -> torch.Tensor:
+        """Logits ``[S, V]`` (fp32) for token ids ``[S]``; ``[1, V]`` of the last one with ``last_only``."""
+        streams = self.hidden_streams(ids, state)
+        return self.logits(streams[-1:] if last_only else streams)
 
 
 # The official names put the ``hc_head_*`` tensors directly on the model (and on ``mtp.0``).

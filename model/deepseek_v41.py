@@ -141,6 +141,9 @@ class DeepseekV41(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head(self.norm(hidden)).float()
 
-    def forward(self, ids: torch.Tensor, state: SequenceState41 | None = None) -> torch.Tensor:
-        """Logits ``[S, V]`` (fp32) for token ids ``[S]``."""
-        return self.logits(self.run(ids, state).hidden)
+    def forward(
+        self, ids: torch.Tensor, state: SequenceState41 | None = None, last_only: bool = False
+    ) -> torch.Tensor:
+        """Logits ``[S, V]`` (fp32) for token ids ``[S]``; ``[1, V]`` of the last one with ``last_only``."""
+        hidden = self.run(ids, state).hidden
+        return self.logits(hidden[-1:] if last_only else hidden)

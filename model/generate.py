@@ -1,20 +1,19 @@
 """Greedy continuation of a prompt: ``python -m model.generate [--model DIR] --prompt TEXT``.
 
-Without ``--model`` a tiny random V4 checkpoint is written (once) and used, so the output is
+Without ``--model`` a tiny random checkpoint is written (once, in the user cache) and used, so the output is
 well-formed gibberish: the point is the whole path from tokenizer to logits.
 """
 
 from __future__ import annotations
 
 import argparse
-import tempfile
 from pathlib import Path
 
 import torch
 
 from model.checkpoint import load_model
 from model.deepseek_v4 import DeepseekV4
-from model.tiny import write_tiny
+from model.tiny import ARCHS, cached_tiny
 from model.tokenizer import load_tokenizer
 
 
@@ -40,20 +39,14 @@ def greedy(model: DeepseekV4, prompt: list[int], max_new_tokens: int, use_cache:
     return out
 
 
-def default_model_dir() -> Path:
-    path = Path(tempfile.gettempdir()) / "deepseek-ascend-tiny-v4"
-    if not (path / "config.json").exists():
-        write_tiny(path)
-    return path
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="checkpoint folder (default: a tiny random V4)")
+    parser.add_argument("--model", help="checkpoint folder (default: a tiny random checkpoint of --arch)")
+    parser.add_argument("--arch", default="v4", choices=ARCHS)
     parser.add_argument("--prompt", default="The quick brown fox")
     parser.add_argument("--max-tokens", type=int, default=32)
     args = parser.parse_args()
-    path = Path(args.model) if args.model else default_model_dir()
+    path = Path(args.model) if args.model else cached_tiny(args.arch)
     model = load_model(path)
     tokenizer = load_tokenizer(path / "tokenizer.json")
     prompt = [model.cfg.bos_token_id, *tokenizer.encode(args.prompt, add_special_tokens=False).ids]

@@ -12,6 +12,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -234,6 +237,21 @@ def write_tiny(out: str | Path, arch: str = "v4", fp8: bool = False, shards: int
         (out / INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2) + "\n")
     write_tokenizer(out)
     return out
+
+
+def cached_tiny(arch: str) -> Path:
+    """The tiny checkpoint of ``arch`` in the user cache, written on first use."""
+    root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "deepseek-ascend"
+    path = root / f"tiny-{arch}"
+    if not (path / "config.json").exists():
+        root.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(dir=root))  # renamed into place whole: no half-written checkpoint
+        write_tiny(staging, arch)
+        try:
+            staging.rename(path)
+        except OSError:  # another process won the race
+            shutil.rmtree(staging)
+    return path
 
 
 def main() -> None:

@@ -1,0 +1,183 @@
+"""The engine loop: ``LLMEngine.step() = Scheduler.schedule() -> ModelRunner.run() -> Sampler -> update``,
+and ``LLM``, the offline API on top of it."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.kv_cache import KVCacheManager, cache_groups
+from engine.model_runner import ModelRunner
+from engine.request import FinishReason, Request, SamplingParams, Status
+from engine.sampler import Sampler
+from engine.scheduler import Scheduler
+from model.checkpoint import load_model
+from model.deepseek_v4 import DeepseekV4
+from model.deepseek_v41 import DeepseekV41
+from model.tokenizer import load_tokenizer
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+    max_model_len: int = 4096
+    block_size: int = 16
+    kv_cache_memory: int = 256 * 2**20  # bytes for the KV cache blocks
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Completion:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    logprobs: list[dict[int, float]] | None
+
+
+class LLMEngine:
+    def __init__(self, model: DeepseekV4 | DeepseekV41, tokenizer: Tokenizer, config: EngineConfig):
+        self.model, self.tokenizer, self.config = model, tokenizer, config
+        groups = cache_groups(model.cfg, model.embed.weight.element_size())
+        self.cache = KVCacheManager.from_budget(groups, config.block_size, config.kv_cache_memory)
+        self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(model)
+        self.sampler = Sampler(config.seed)
+        self.requests: dict[str, Request] = {}
+        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._arrivals = 0
+
+    def add_request(
+        self, prompt: list[int], params: SamplingParams, request_id: str | None = None
+    ) -> Request:
+        """Validate and queue a request; everything that could never run is rejected here."""
+        vocab, limit = self.model.cfg.vocab_size, self.config.max_model_len
+        if not prompt:
+            raise ValueError("prompt is empty: at least one token is required")
+        bad = next((t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
+        if len(prompt) + params.max_tokens > limit:
+            raise ValueError(
+                f"{len(prompt)} prompt tokens + max_tokens={params.max_tokens} exceed max_model_len={limit}"
+            )
+        peak = self.cache.max_blocks(len(prompt) + params.max_tokens, self.config.max_num_batched_tokens)
+        if peak > self.cache.num_blocks:
+            raise ValueError(
+                f"request needs up to {peak} KV cache blocks; the cache has {self.cache.num_blocks}"
+            )
+        request = Request(list(prompt), params, arrival=self._arrivals)
+        if request_id is not None:
+            if request_id in self.requests:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            request.id = request_id
+        self._arrivals += 1
+        self.requests[request.id] = request
+        self.detokenizers[request.id] = IncrementalDetokenizer(self.tokenizer)
+        self.scheduler.add(request)
+        return request
+
+    def abort(self, request_id: str) -> None:
+        request = self.requests.get(request_id)
+        if request is not None and not request.finished:
+            self._finish(request, FinishReason.ABORT)
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def step(self) -> list[Request]:
+        """Run one step; return the requests that produced a token or finished in it."""
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return []
+        logits = self.runner.run(chunks)
+        sampling = [c for c in chunks if c.samples]
+        sampled = self.sampler(logits, [c.request for c in sampling]) if sampling else []
+        for chunk in chunks:
+            chunk.request.num_computed = chunk.start + chunk.length
+            self.cache.release_old(chunk.request.id, chunk.request.num_computed)
+        for chunk, (token, logprobs) in zip(sampling, sampled, strict=True):
+            self._append(chunk.request, token, logprobs)
+        return [c.request for c in sampling]
+
+    def _append(self, request: Request, token: int, logprobs: dict[int, float] | None) -> None:
+        params = request.params
+        request.output.append(token)
+        if logprobs is not None:
+            request.logprobs.append(logprobs)
+        detok = self.detokenizers[request.id]
+        detok.add(token)
+        stop_at = min((i for s in params.stop if (i := detok.text.find(s)) >= 0), default=None)
+        if stop_at is not None:
+            request.stop_text_at = stop_at
+            self._finish(request, FinishReason.STOP)
+        elif token in params.stop_token_ids or (
+            token == self.model.cfg.eos_token_id and not params.ignore_eos
+        ):
+            self._finish(request, FinishReason.STOP)
+        elif len(request.output) >= params.max_tokens or request.num_tokens >= self.config.max_model_len:
+            self._finish(request, FinishReason.LENGTH)
+
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        self.scheduler.finish(request, reason)
+        self.runner.release(request.id)
+        self.sampler.forget(request)
+
+    def text(self, request: Request) -> str:
+        text = self.tokenizer.decode(request.output, skip_special_tokens=True)
+        return text if request.stop_text_at is None else text[: request.stop_text_at]
+
+    def completion(self, request: Request) -> Completion:
+        self.requests.pop(request.id, None)
+        self.detokenizers.pop(request.id, None)
+        return Completion(
+            request.id,
+            request.prompt,
+            list(request.output),
+            self.text(request),
+            request.finish_reason.value if request.finish_reason else "",
+            request.logprobs if request.params.logprobs is not None else None,
+        )
+
+
+class LLM:
+    """Offline generation: ``LLM(model_dir).generate(prompts, params)``; no ``model_dir`` = tiny V4.1."""
+
+    def __init__(self, model_dir: str | Path | None = None, **config: int):
+        if model_dir is None:
+            from model.tiny import cached_tiny
+
+            model_dir = cached_tiny("v41")
+        self.engine = LLMEngine(load_model(model_dir), load_tokenizer(model_dir), EngineConfig(**config))
+
+    def generate(
+        self,
+        prompts: list[str] | list[list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        progress: bool = False,
+    ) -> list[Completion]:
+        params = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        engine, bos = self.engine, self.engine.model.cfg.bos_token_id
+        requests = [
+            engine.add_request(p if isinstance(p, list) else [bos, *engine.tokenizer.encode(p).ids], sp)
+            for p, sp in zip(prompts, params, strict=True)
+        ]
+        done = 0
+        while engine.has_work:
+            engine.step()
+            finished = sum(r.status is Status.FINISHED for r in requests)
+            if progress and finished != done:
+                print(f"\rgenerated {finished}/{len(requests)}", end="", file=sys.stderr)
+            done = finished
+        if progress:
+            print(file=sys.stderr)
+        return [engine.completion(r) for r in requests]

@@ -1,0 +1,105 @@
+"""Requests and their sampling parameters."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None  # also return this many top logprobs per sampled token
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, message: str) -> None:
+            if not ok:
+                raise ValueError(message)
+
+        need(self.max_tokens >= 1, f"max_tokens={self.max_tokens} must be at least 1")
+        need(0.0 <= self.temperature <= 100.0, f"temperature={self.temperature} must be in [0, 100]")
+        need(self.top_k >= 0, f"top_k={self.top_k} must be >= 0 (0 disables it)")
+        need(0.0 < self.top_p <= 1.0, f"top_p={self.top_p} must be in (0, 1]")
+        need(0.0 <= self.min_p <= 1.0, f"min_p={self.min_p} must be in [0, 1]")
+        need(
+            0.0 < self.repetition_penalty <= 10.0,
+            f"repetition_penalty={self.repetition_penalty} must be in (0, 10]",
+        )
+        need(
+            -2.0 <= self.presence_penalty <= 2.0,
+            f"presence_penalty={self.presence_penalty} must be in [-2, 2]",
+        )
+        need(
+            -2.0 <= self.frequency_penalty <= 2.0,
+            f"frequency_penalty={self.frequency_penalty} must be in [-2, 2]",
+        )
+        need(
+            self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs={self.logprobs} must be in [0, 20]"
+        )
+        need(
+            all(isinstance(s, str) and s for s in self.stop), f"stop={self.stop!r} must be non-empty strings"
+        )
+        need(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+             f"stop_token_ids={self.stop_token_ids!r} must be non-negative integers")  # fmt: skip
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class Status(str, Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, Enum):
+    STOP = "stop"  # EOS, a stop token or a stop string
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Request:
+    prompt: list[int]
+    params: SamplingParams
+    id: str = field(default_factory=lambda: f"req-{next(_ids)}")
+    output: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] = field(default_factory=list)  # per output token, when asked
+    status: Status = Status.WAITING
+    finish_reason: FinishReason | None = None
+    num_computed: int = 0  # tokens whose KV is in the cache
+    arrival: int = 0  # scheduling order (FCFS)
+    stop_text_at: int | None = None  # where a stop string starts in the detokenised output
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    @property
+    def prefilling(self) -> bool:
+        """Tokens already known (prompt, or output to recompute after preemption) remain to be computed."""
+        return self.num_computed < self.num_tokens - 1
