@@ -1,0 +1,101 @@
+"""Offline throughput of the engine next to transformers, and V4.1 decode step time against context.
+
+``python -m benchmarks.offline_throughput [--requests 64] [--max-tokens 16] [--contexts 1024 4096 16384]``
+
+1. Output tokens/s of ``LLMEngine`` on the tiny V4 checkpoint for requests of mixed lengths, next to
+   transformers' ``DeepseekV4ForCausalLM.generate`` (greedy, one request at a time: its V4 cache
+   has no padding support) on the same checkpoint and prompts, printed as a ratio.
+2. The decode step time of the tiny V4.1 at several context lengths: with sparse attention and the
+   two-level indexer it should stay nearly flat.
+Both are measured side by side in one run; the numbers are for this machine only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from engine.llm_engine import EngineConfig, LLMEngine
+from engine.request import SamplingParams
+from model.checkpoint import load_model, read_tensors
+from model.hf_names import to_transformers
+from model.tiny import write_tiny
+from model.tokenizer import load_tokenizer
+
+
+def mixed_prompts(count: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 512, (count,), generator=gen).tolist()
+    return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+def engine_throughput(path: Path, prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
+    engine = LLMEngine(load_model(path), load_tokenizer(path), EngineConfig(max_num_batched_tokens=2048))
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    requests = [engine.add_request(p, params) for p in prompts]
+    while engine.has_work:
+        engine.step()
+    seconds = time.perf_counter() - start
+    return seconds, sum(len(r.output) for r in requests)
+
+
+def transformers_throughput(path: Path, prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+    config = DeepseekV4Config(**json.loads((path / "config.json").read_text()))
+    config._attn_implementation = "eager"
+    model = DeepseekV4ForCausalLM(config).float().eval()
+    model.load_state_dict(to_transformers(read_tensors(path)), strict=True)
+    tokens = 0
+    start = time.perf_counter()
+    with torch.no_grad():
+        for p in prompts:
+            out = model.generate(torch.tensor([p]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                                 do_sample=False)  # fmt: skip
+            tokens += out.shape[1] - len(p)
+    return time.perf_counter() - start, tokens
+
+
+def decode_step_ms(path: Path, context: int, steps: int = 8) -> float:
+    model = load_model(path)
+    ids = torch.randint(
+        3, model.cfg.vocab_size, (context + steps,), generator=torch.Generator().manual_seed(1)
+    )
+    state = model.new_state()
+    with torch.no_grad():
+        for start in range(0, context, 2048):  # chunked prefill keeps memory modest
+            model(ids[start : min(context, start + 2048)], state, last_only=True)
+        begin = time.perf_counter()
+        for t in range(context, context + steps):
+            model(ids[t : t + 1], state, last_only=True)
+    return (time.perf_counter() - begin) / steps * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--contexts", type=int, nargs="*", default=[1024, 4096, 16384])
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        v4, v41 = write_tiny(Path(tmp) / "v4", "v4"), write_tiny(Path(tmp) / "v41", "v41")
+        prompts = mixed_prompts(args.requests, load_tokenizer().get_vocab_size())
+        ours, ours_tokens = engine_throughput(v4, prompts, args.max_tokens)
+        theirs, their_tokens = transformers_throughput(v4, prompts, args.max_tokens)
+        print(f"tiny V4, {args.requests} requests, {args.max_tokens} tokens each:")
+        print(f"  engine        {ours_tokens / ours:8.1f} output tok/s ({ours:.1f} s)")
+        print(f"  transformers  {their_tokens / theirs:8.1f} output tok/s ({theirs:.1f} s)")
+        print(f"  ratio engine / transformers = {(ours_tokens / ours) / (their_tokens / theirs):.2f}")
+        print("tiny V4.1 decode step time (one request):")
+        for context in args.contexts:
+            print(f"  context {context:6d}: {decode_step_ms(v41, context):7.1f} ms/step")
+
+
+if __name__ == "__main__":
+    main()
