@@ -1,0 +1,398 @@
+"""DeepSeek V4 chat encoding (model-spec §11): OpenAI-style messages to prompt text, validated strictly.
+
+V4.1 is assumed to share the encoding. The layout is that of the official `encoding_dsv4.py`, quirks
+included, so prompts look like what the models were trained on: consecutive user and tool messages merge
+into one user turn, and in thinking mode with dropping, developer messages before the last user turn are
+left out like the reasoning of earlier assistant turns. Every defect in a request raises ChatFormatError
+naming the offending field (the server answers 400); nothing is silently repaired or ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from model.tokenizer import (
+    ASSISTANT,
+    BOS,
+    DSML,
+    EOS,
+    LATEST_REMINDER,
+    SPECIAL_TOKENS,
+    THINK_END,
+    THINK_START,
+    TOOL_RESULT_END,
+    TOOL_RESULT_START,
+    USER,
+)
+
+# §11.1 protocol strings, byte for byte.
+REASONING_EFFORT_PREFIXES = {
+    "low": "",
+    "high": (
+        "Reasoning Effort: Absolute maximum with no shortcuts permitted.\n"
+        "You MUST be very thorough in your thinking and comprehensively decompose the problem to resolve the "
+        "root cause, rigorously stress-testing your logic against all potential paths, edge cases, and "
+        "adversarial scenarios.\n"
+        "Explicitly write out your entire deliberation process, documenting every intermediate step, "
+        "considered alternative, and rejected hypothesis to ensure absolutely no assumption is left "
+        "unchecked.\n\n"
+    ),
+    "max": (
+        "Reasoning Effort: Beyond maximum — exhaustive, relentless, and uncompromising.\n"
+        "You MUST reason with the utmost depth and rigor, leaving absolutely nothing to chance: exhaustively "
+        "decompose the problem into its most fundamental components, trace every causal chain to its root, "
+        "and resolve the underlying cause rather than any surface symptom.\n"
+        "Do not stop reasoning until you have independently verified the solution from multiple angles and "
+        "are certain that no assumption remains unchecked and no error remains undiscovered.\n\n"
+    ),
+}
+RESPONSE_FORMAT_TEMPLATE = (
+    "## Response Format:\n\nYou MUST strictly adhere to the following schema to reply:\n{schema}"
+)
+TOOLS_TEMPLATE = """## Tools
+
+You have access to a set of tools to help answer the user's question. You can invoke tools by writing a \
+"<{dsml}tool_calls>" block like the following:
+
+<{dsml}tool_calls>
+<{dsml}invoke name="$TOOL_NAME">
+<{dsml}parameter name="$PARAMETER_NAME" string="true|false">$PARAMETER_VALUE</{dsml}parameter>
+...
+</{dsml}invoke>
+<{dsml}invoke name="$TOOL_NAME2">
+...
+</{dsml}invoke>
+</{dsml}tool_calls>
+
+String parameters should be specified as is and set `string="true"`. For all other types (numbers, \
+booleans, arrays, objects), pass the value in JSON format and set `string="false"`.
+
+If thinking_mode is enabled (triggered by {think_start}), you MUST output your complete reasoning inside \
+{think_start}...{think_end} BEFORE any tool calls or final response.
+
+Otherwise, output directly after {think_end} with tool calls or final response.
+
+### Available Tool Schemas
+
+{tool_schemas}
+
+You MUST strictly follow the above defined tool name and parameter schemas to invoke tool calls.
+"""
+TOOL_CALLS_PREFIX = f"\n\n<{DSML}tool_calls"  # how a completion announces its tool calls
+
+# Text that would forge protocol structure if a user could smuggle it into the prompt.
+RESERVED_FRAGMENTS = tuple(
+    sorted(SPECIAL_TOKENS | {THINK_START, THINK_END, DSML, TOOL_RESULT_START, TOOL_RESULT_END})
+)
+NAME_RE = re.compile(r'[^"<>\r\n]+')  # tool and parameter names sit inside name="..." attributes
+
+_ALLOWED_FIELDS = {
+    "system": {"role", "content"},
+    "developer": {"role", "content"},
+    "user": {"role", "content"},
+    "latest_reminder": {"role", "content"},
+    "assistant": {"role", "content", "reasoning_content", "tool_calls"},
+    "tool": {"role", "content", "tool_call_id"},
+}
+
+
+class ChatFormatError(ValueError):
+    """A request the encoding cannot represent; `where` is a field path such as messages[2].content."""
+
+    def __init__(self, where: str, problem: str) -> None:
+        super().__init__(f"{where}: {problem}")
+        self.where = where
+        self.problem = problem
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in obj:
+            raise ValueError(f"duplicate key {key!r}")
+        obj[key] = value
+    return obj
+
+
+def _finite_float(text: str) -> float:
+    # 1e400 parses to inf, which json.dumps would write back as the non-JSON token Infinity.
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {text} is out of range")
+    return value
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def loads_strict(text: str) -> Any:
+    """json.loads without NaN/Infinity, out-of-range floats or duplicate object keys (raises ValueError)."""
+    return json.loads(
+        text, object_pairs_hook=_no_duplicate_keys, parse_constant=_reject_constant, parse_float=_finite_float
+    )
+
+
+def dumps(value: Any) -> str:
+    """JSON as the official encoder writes it: default separators, non-ASCII kept."""
+    return json.dumps(value, ensure_ascii=False, allow_nan=False)
+
+
+def _check_reserved(text: str, where: str) -> str:
+    for fragment in RESERVED_FRAGMENTS:
+        if fragment in text:
+            raise ChatFormatError(where, f"contains the reserved string {fragment!r}")
+    return text
+
+
+def _check_name(name: Any, where: str) -> str:
+    if not isinstance(name, str) or not NAME_RE.fullmatch(name):
+        raise ChatFormatError(where, 'must be a non-empty string without ", <, > or line breaks')
+    return _check_reserved(name, where)
+
+
+def _json_section(value: Any, where: str) -> str:
+    try:
+        text = dumps(value)
+    except (TypeError, ValueError) as err:  # NaN, cycles, non-JSON types from a lenient API decoder
+        raise ChatFormatError(where, f"is not serializable as strict JSON ({err})") from None
+    return _check_reserved(text, where)
+
+
+def _text(content: Any, where: str) -> str:
+    """A string, or text blocks joined by blank lines as the official encoder joins them."""
+    if isinstance(content, str):
+        return _check_reserved(content, where)
+    if not isinstance(content, list) or not content:  # an empty list would still add a blank user part
+        raise ChatFormatError(where, "must be a string or a non-empty list of text blocks")
+    texts = []
+    for j, block in enumerate(content):
+        if not isinstance(block, dict) or block.get("type") != "text" or set(block) != {"type", "text"}:
+            raise ChatFormatError(f"{where}[{j}]", 'must be {"type": "text", "text": ...}')
+        if not isinstance(block["text"], str):
+            raise ChatFormatError(f"{where}[{j}].text", "must be a string")
+        texts.append(_check_reserved(block["text"], f"{where}[{j}].text"))
+    return "\n\n".join(texts)
+
+
+def _render_arguments(arguments: Any, where: str) -> str:
+    if not isinstance(arguments, str):
+        raise ChatFormatError(where, "must be a JSON string")
+    try:
+        args = loads_strict(arguments)
+    except ValueError as err:
+        raise ChatFormatError(where, f"is not strict JSON ({err})") from None
+    if not isinstance(args, dict):
+        raise ChatFormatError(where, "must encode a JSON object")
+    params = []
+    for key, value in args.items():
+        flag, text = ("true", value) if isinstance(value, str) else ("false", dumps(value))
+        try:
+            _check_name(key, where)
+            _check_reserved(text, where)
+        except ChatFormatError as err:
+            raise ChatFormatError(where, f"parameter {key!r}: {err.problem}") from None
+        params.append(f'<{DSML}parameter name="{key}" string="{flag}">{text}</{DSML}parameter>')
+    return "\n".join(params)
+
+
+def _render_tool_calls(calls: Any, where: str) -> tuple[str, list[str | None]]:
+    """The DSML block appended to assistant content, and the call ids in call order."""
+    if calls is None:
+        return "", []
+    if not isinstance(calls, list):
+        raise ChatFormatError(where, "must be a list")
+    invokes: list[str] = []
+    ids: list[str | None] = []
+    for k, call in enumerate(calls):
+        at = f"{where}[{k}]"
+        if not isinstance(call, dict) or not set(call) <= {"id", "type", "function"}:
+            raise ChatFormatError(at, "must be an object with only id, type and function")
+        if call.get("type", "function") != "function":
+            raise ChatFormatError(f"{at}.type", 'must be "function"')
+        call_id = call.get("id")
+        if call_id is not None and (not isinstance(call_id, str) or not call_id):
+            raise ChatFormatError(f"{at}.id", "must be a non-empty string")
+        if call_id is not None and call_id in ids:
+            raise ChatFormatError(f"{at}.id", f"duplicate tool call id {call_id!r}")
+        ids.append(call_id)
+        fn = call.get("function")
+        if not isinstance(fn, dict) or set(fn) != {"name", "arguments"}:
+            raise ChatFormatError(f"{at}.function", "must be an object with exactly name and arguments")
+        name = _check_name(fn["name"], f"{at}.function.name")
+        args = _render_arguments(fn["arguments"], f"{at}.function.arguments")
+        invokes.append(f'<{DSML}invoke name="{name}">\n{args}\n</{DSML}invoke>')
+    if not invokes:
+        return "", ids
+    return f"\n\n<{DSML}tool_calls>\n" + "\n".join(invokes) + f"\n</{DSML}tool_calls>", ids
+
+
+@dataclass
+class _Turn:
+    """One rendered unit after merging; a user turn keeps (call index, or -1 for text, text) parts."""
+
+    role: str
+    text: str = ""
+    reasoning: str = ""
+    calls: str = ""
+    parts: list[tuple[int, str]] = field(default_factory=list)
+
+
+def _tools_section(tools: Any) -> str:
+    if not isinstance(tools, list):
+        raise ChatFormatError("tools", "must be a list")
+    schemas: list[str] = []
+    names: set[str] = set()
+    for k, tool in enumerate(tools):
+        if not isinstance(tool, dict) or set(tool) != {"type", "function"} or tool["type"] != "function":
+            raise ChatFormatError(f"tools[{k}]", 'must be {"type": "function", "function": {...}}')
+        if not isinstance(tool["function"], dict):
+            raise ChatFormatError(f"tools[{k}].function", "must be an object")
+        name = _check_name(tool["function"].get("name"), f"tools[{k}].function.name")
+        if name in names:
+            raise ChatFormatError(f"tools[{k}].function.name", f"duplicate tool name {name!r}")
+        names.add(name)
+        schemas.append(_json_section(tool["function"], f"tools[{k}].function"))
+    return TOOLS_TEMPLATE.format(
+        dsml=DSML, think_start=THINK_START, think_end=THINK_END, tool_schemas="\n".join(schemas)
+    )
+
+
+def _turns(messages: Any) -> list[_Turn]:
+    """Validate the messages and merge them into turns, tool results resolved to call indices."""
+    if not isinstance(messages, list) or not messages:
+        raise ChatFormatError("messages", "must be a non-empty list")
+    turns: list[_Turn] = []
+    call_ids: list[str | None] | None = None  # of the latest assistant message; None: it made no calls
+    answered: set[int] = set()
+    for i, msg in enumerate(messages):
+        at = f"messages[{i}]"
+        if not isinstance(msg, dict):
+            raise ChatFormatError(at, "must be an object")
+        role = msg.get("role")
+        if not isinstance(role, str) or role not in _ALLOWED_FIELDS:
+            raise ChatFormatError(f"{at}.role", f"must be one of {sorted(_ALLOWED_FIELDS)}")
+        unknown = set(msg) - _ALLOWED_FIELDS[role]
+        if unknown:
+            raise ChatFormatError(f"{at}.{sorted(unknown)[0]}", f"is not a field of {role} messages")
+        content = msg.get("content")
+        if role == "assistant":
+            turn = _Turn(role, "" if content is None else _text(content, f"{at}.content"))
+            reasoning = msg.get("reasoning_content")
+            if reasoning is not None and not isinstance(reasoning, str):
+                raise ChatFormatError(f"{at}.reasoning_content", "must be a string")
+            turn.reasoning = _check_reserved(reasoning or "", f"{at}.reasoning_content")
+            turn.calls, ids = _render_tool_calls(msg.get("tool_calls"), f"{at}.tool_calls")
+            call_ids, answered = (ids or None), set()
+            turns.append(turn)
+            continue
+        if content is None:
+            raise ChatFormatError(f"{at}.content", "is required")
+        text = _text(content, f"{at}.content")
+        if role == "developer" and not text:
+            raise ChatFormatError(f"{at}.content", "must not be empty")
+        if role not in ("user", "tool"):
+            turns.append(_Turn(role, text))
+            continue
+        index = -1
+        if role == "tool":
+            index = _resolve_result(msg.get("tool_call_id"), call_ids, answered, at)
+            text = f"{TOOL_RESULT_START}{text}{TOOL_RESULT_END}"
+        if not turns or turns[-1].role != "user":
+            turns.append(_Turn("user"))
+        turns[-1].parts.append((index, text))
+    return turns
+
+
+def _resolve_result(call_id: Any, call_ids: list[str | None] | None, answered: set[int], at: str) -> int:
+    """Index of the call a tool message answers, in the latest assistant message's calls."""
+    if call_ids is None:
+        raise ChatFormatError(at, "tool message without a preceding assistant message with tool_calls")
+    if call_id is None:
+        if len(call_ids) > 1:
+            raise ChatFormatError(f"{at}.tool_call_id", "is required when the assistant made several calls")
+        index = 0
+    elif not isinstance(call_id, str) or call_id not in call_ids:
+        raise ChatFormatError(f"{at}.tool_call_id", f"{call_id!r} matches no call of the preceding assistant")
+    else:
+        index = call_ids.index(call_id)
+    if index in answered:
+        raise ChatFormatError(f"{at}.tool_call_id", f"duplicate result for call {call_ids[index] or index!r}")
+    answered.add(index)
+    return index
+
+
+def _last_user(turns: list[_Turn]) -> int:
+    return max((i for i, t in enumerate(turns) if t.role in ("user", "developer")), default=-1)
+
+
+def encode_messages(
+    messages: list[dict[str, Any]],
+    *,
+    tools: list[dict[str, Any]] | None = None,
+    thinking: bool = False,
+    reasoning_effort: str | None = None,
+    response_format: dict[str, Any] | None = None,
+    add_generation_prompt: bool = True,
+    drop_thinking: bool = True,
+) -> str:
+    """The prompt text for an OpenAI-style conversation (model-spec §11).
+
+    `tools` are OpenAI tool objects; `response_format` is the JSON object shown to the model as the
+    schema. Both go to the first system message (an empty one is put first when there is none), where the
+    official encoder expects them. `reasoning_effort` is low (default), high or max; it only changes
+    thinking-mode prompts. Raises ChatFormatError on any defect of the request.
+    """
+    if reasoning_effort is not None and reasoning_effort not in REASONING_EFFORT_PREFIXES:
+        raise ChatFormatError("reasoning_effort", f"must be one of {sorted(REASONING_EFFORT_PREFIXES)}")
+    turns = _turns(messages)
+    sections = []
+    if tools:
+        sections.append(_tools_section(tools))
+    elif tools is not None and not isinstance(tools, list):
+        raise ChatFormatError("tools", "must be a list")
+    if response_format is not None:
+        if not isinstance(response_format, dict):
+            raise ChatFormatError("response_format", "must be an object")
+        schema = _json_section(response_format, "response_format")
+        sections.append(RESPONSE_FORMAT_TEMPLATE.format(schema=schema))
+    if sections:
+        host = next((t for t in turns if t.role == "system"), None)
+        if host is None:
+            host = _Turn("system")
+            turns.insert(0, host)
+        host.text += "".join("\n\n" + s for s in sections)
+
+    drop = drop_thinking and not tools  # the official encoder keeps all reasoning when tools are present
+    if thinking and drop:
+        last = _last_user(turns)
+        turns = [t for i, t in enumerate(turns) if t.role != "developer" or i >= last]
+    last = _last_user(turns)
+
+    out = [BOS, REASONING_EFFORT_PREFIXES[reasoning_effort or "low"] if thinking else ""]
+    for i, turn in enumerate(turns):
+        if turn.role == "system":
+            out.append(turn.text)
+        elif turn.role == "developer":
+            out.append(USER + turn.text)
+        elif turn.role == "latest_reminder":
+            out.append(LATEST_REMINDER + turn.text)
+        elif turn.role == "user":
+            # Results take the order of the calls; text blocks keep their places.
+            results = iter(sorted(p for p in turn.parts if p[0] >= 0))
+            parts = [text if index < 0 else next(results)[1] for index, text in turn.parts]
+            out.append(USER + "\n\n".join(parts))
+        else:
+            if thinking and (not drop or i > last):
+                out.append(turn.reasoning + THINK_END)
+            out.append(turn.text + turn.calls + EOS)
+        following = turns[i + 1].role if i + 1 < len(turns) else None
+        if turn.role in ("user", "developer") and (
+            following in ("assistant", "latest_reminder") or (following is None and add_generation_prompt)
+        ):
+            out.append(ASSISTANT + (THINK_START if thinking and (not drop or i >= last) else THINK_END))
+    return "".join(out)
