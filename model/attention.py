@@ -17,6 +17,8 @@ from model.compressor import Compressor, CompressorState
 from model.config import ModelConfig
 from model.layers import RMSNorm, linear
 from model.plan import LayerPlan
+from triton_kernels.indexer import IndexQueries, KeyPool, indexer_logits, indexer_topk
+from triton_kernels.quant import quantize_int8
 from triton_kernels.rmsnorm import rms_norm
 from triton_kernels.rope import apply_rope
 
@@ -44,7 +46,11 @@ class Positions:
 
 
 class Indexer(nn.Module):
-    """Lightning indexer of a CSA layer: its own compressor over ``x`` and a ReLU-weighted scorer."""
+    """Lightning indexer of a CSA layer: its own compressor over ``x`` and a ReLU-weighted scorer.
+
+    ``int8`` switches to the Ascend format (model-spec §9.4): queries and keys quantised per row,
+    int32 dot products. It is off by default: the float path is the one checked against transformers.
+    """
 
     def __init__(self, cfg: ModelConfig, plan: LayerPlan):
         super().__init__()
@@ -54,6 +60,27 @@ class Indexer(nn.Module):
         self.compressor = Compressor(
             cfg.hidden_size, self.dim, plan.compress_ratio, cfg.rms_norm_eps, overlap=True
         )
+        self.int8 = False
+
+    def _operands(
+        self,
+        x: torch.Tensor,
+        q_r: torch.Tensor,
+        pos: Positions,
+        inv_freq: torch.Tensor,
+        state: CompressorState | None,
+    ) -> tuple[IndexQueries, KeyPool]:
+        """The call's queries, one request, against its entries ``[E, d_I]`` as a pool (entry j = slot j)."""
+        keys = self.compressor(x, inv_freq, state)
+        q = apply_rope(self.wq_b(q_r).view(-1, self.heads, self.dim), pos.values, inv_freq)
+        # The score's d_I^-1/2 and the weights' H^-1/2 are both folded into the head weights.
+        weights = self.weights_proj(x).float() * (self.heads * self.dim) ** -0.5
+        request = torch.zeros(q.shape[0], dtype=torch.int32, device=x.device)
+        visible = pos.visible_entries(self.compressor.ratio).to(torch.int32)
+        if self.int8:
+            (q, q_scale), (keys, k_scale) = quantize_int8(q), quantize_int8(keys)
+            return IndexQueries(q, weights, request, visible, q_scale), KeyPool.dense(keys, k_scale)
+        return IndexQueries(q, weights, request, visible), KeyPool.dense(keys)
 
     def scores(
         self,
@@ -64,16 +91,7 @@ class Indexer(nn.Module):
         state: CompressorState | None,
     ) -> torch.Tensor:
         """``S(t, j) = Σ_h w_h·ReLU(q_h·K_j)``, ``-inf`` where entry j is not visible: ``[S, E]``."""
-        keys = self.compressor(x, inv_freq, state)
-        q = apply_rope(self.wq_b(q_r).view(-1, self.heads, self.dim), pos.values, inv_freq)
-        weights = self.weights_proj(x).float() * self.heads**-0.5
-        logits = torch.relu(torch.einsum("shd,ed->she", q.float(), keys.float())) * self.dim**-0.5
-        scores = (logits * weights[..., None]).sum(dim=1)
-        hidden = (
-            torch.arange(keys.shape[0], device=x.device)
-            >= pos.visible_entries(self.compressor.ratio)[:, None]
-        )
-        return scores.masked_fill(hidden, float("-inf"))
+        return indexer_logits(*self._operands(x, q_r, pos, inv_freq, state))
 
     def forward(
         self,
@@ -83,11 +101,9 @@ class Indexer(nn.Module):
         inv_freq: torch.Tensor,
         state: CompressorState | None,
     ) -> torch.Tensor:
-        """Indices of the top-k visible entries per query, ``-1`` for unreachable picks: ``[S, k]``."""
-        scores = self.scores(x, q_r, pos, inv_freq, state)
-        picked = scores.topk(min(self.topk, scores.shape[1]), dim=-1).indices
-        unreachable = picked >= pos.visible_entries(self.compressor.ratio)[:, None]
-        return picked.masked_fill(unreachable, -1)
+        """Indices of the top-k visible entries per query (ascending), ``-1`` if unreachable: ``[S, k]``."""
+        queries, pool = self._operands(x, q_r, pos, inv_freq, state)
+        return indexer_topk(queries, pool, min(self.topk, pool.capacity))
 
 
 class SharedKVAttention(nn.Module):
