@@ -19,6 +19,13 @@ from model.config import ModelConfig
 from model.layers import RMSNorm, linear
 from model.plan import Attention as Kind
 from model.plan import Candidates, LayerPlan
+from triton_kernels.indexer import (
+    IndexQueries,
+    KeyPool,
+    indexer_topk,
+    indexer_topk_and_candidates,
+    indexer_topk_in_candidates,
+)
 from triton_kernels.rope import apply_rope
 
 
@@ -29,7 +36,7 @@ class Published:
     kv: dict[int, torch.Tensor] = field(default_factory=dict)  # KV source -> every entry [E, d]
     index_keys: dict[int, torch.Tensor] = field(default_factory=dict)  # KV source -> [E, d_I]
     topk: dict[int, torch.Tensor] = field(default_factory=dict)  # index source -> [S, k], -1 invalid
-    candidates: torch.Tensor | None = None  # [S, E] bool: positions inside each query's kept blocks
+    candidates: torch.Tensor | None = None  # [S, candidate_topk_blocks] kept block ids, -1 padded
 
 
 class Indexer41(nn.Module):
@@ -46,60 +53,31 @@ class Indexer41(nn.Module):
     def keys(self, latent: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
         return apply_rope(self.k_norm(self.wk(latent)), positions, inv_freq)
 
-    def scores(
-        self, x: torch.Tensor, q_r: torch.Tensor, pos: Positions, inv_freq: torch.Tensor, keys: torch.Tensor
-    ) -> torch.Tensor:
-        """``S(t, j) = Σ_h w_h·ReLU(q_h·K_j)``, ``-inf`` where entry j is not visible: ``[S, E]``."""
+    def queries(
+        self, x: torch.Tensor, q_r: torch.Tensor, pos: Positions, inv_freq: torch.Tensor
+    ) -> IndexQueries:
+        """This layer's indexer queries for one request (the score's scales folded into the weights)."""
         q = apply_rope(self.wq_b(q_r).view(-1, self.heads, self.dim), pos.values, inv_freq)
-        weights = self.weights_proj(x).float() * (self.dim**-0.5 * self.heads**-0.5)
-        logits = torch.relu(torch.einsum("shd,ed->she", q.float(), keys.float()))
-        scores = (logits * weights[..., None]).sum(dim=1)
-        hidden = (
-            torch.arange(keys.shape[0], device=x.device)
-            >= pos.visible_entries(self.plan.compress_ratio)[:, None]
+        weights = self.weights_proj(x).float() * (self.dim * self.heads) ** -0.5
+        request = torch.zeros(q.shape[0], dtype=torch.int32, device=x.device)
+        return IndexQueries(
+            q, weights, request, pos.visible_entries(self.plan.compress_ratio).to(torch.int32)
         )
-        return scores.masked_fill(hidden, float("-inf"))
 
-    def select(self, scores: torch.Tensor, pos: Positions, published: Published) -> torch.Tensor:
-        """Two-level top-k of one index source: ``[S, min(index_topk, E)]`` ascending, ``-1`` padded."""
-        cfg = self.cfg
+    def select(self, queries: IndexQueries, keys: torch.Tensor, published: Published) -> torch.Tensor:
+        """Top-k of one index source, two-level where planned: ``[S, min(index_topk, E)]``, ascending."""
+        cfg, pool = self.cfg, KeyPool.dense(keys)
+        k = min(cfg.index_topk, pool.capacity)
         if self.plan.candidates is Candidates.SOURCE:
-            published.candidates = candidate_mask(
-                scores, pos.visible_entries(self.plan.compress_ratio), cfg.candidate_block_size,
-                cfg.candidate_topk_blocks,
-            )  # fmt: skip
-        elif self.plan.candidates is Candidates.CONSUMER:
-            scores = scores.masked_fill(~published.candidates, float("-inf"))
-        return top_k_positions(scores, cfg.index_topk)
-
-
-def candidate_mask(scores: torch.Tensor, visible: torch.Tensor, block: int, keep: int) -> torch.Tensor:
-    """Level one: per query, the positions of its ``keep`` best blocks (block score = max score).
-
-    The block of the newest visible entry is always kept (it takes one of the slots); a block whose
-    score is ``-inf`` never is.
-    """
-    seq, entries = scores.shape
-    blocks = -(-entries // block)
-    padded = scores.new_full((seq, blocks * block), float("-inf"))
-    padded[:, :entries] = scores
-    best = padded.view(seq, blocks, block).amax(dim=-1)
-    newest = (visible - 1).div(block, rounding_mode="floor")
-    has_newest = newest >= 0
-    best[has_newest, newest[has_newest]] = float("inf")
-    kept = best.topk(min(keep, blocks), dim=-1)
-    chosen = torch.zeros(seq, blocks, dtype=torch.bool, device=scores.device)
-    chosen.scatter_(1, kept.indices, kept.values > float("-inf"))
-    return chosen.repeat_interleave(block, dim=1)[:, :entries]
-
-
-def top_k_positions(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """The ``k`` best positions per row, ties to the lower index, ascending; ``-inf`` picks become -1."""
-    k = min(k, scores.shape[1])
-    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
-    past_end = scores.shape[1]  # parks invalid picks after every real position while sorting
-    ranked = order.masked_fill(scores.gather(1, order) == float("-inf"), past_end).sort(dim=-1).values
-    return ranked.masked_fill(ranked == past_end, -1)
+            picked, published.candidates = indexer_topk_and_candidates(
+                queries, pool, k, cfg.candidate_block_size, cfg.candidate_topk_blocks
+            )
+            return picked
+        if self.plan.candidates is Candidates.CONSUMER:
+            return indexer_topk_in_candidates(
+                queries, pool, k, published.candidates, cfg.candidate_block_size
+            )
+        return indexer_topk(queries, pool, k)
 
 
 class V41Attention(SharedKVAttention):
@@ -135,9 +113,10 @@ class V41Attention(SharedKVAttention):
         if plan.has_compressor:
             self._publish_entries(x, inv_freq, state, published)
         if plan.has_indexer:
-            keys = published.index_keys[plan.kv_source]
-            scores = self.indexer.scores(x, q_r, pos, inv_freq, keys)
-            published.topk[plan.index] = self.indexer.select(scores, pos, published)
+            queries = self.indexer.queries(x, q_r, pos, inv_freq)
+            published.topk[plan.index] = self.indexer.select(
+                queries, published.index_keys[plan.kv_source], published
+            )
         pools.append((published.kv[plan.kv_source], published.topk[plan.index_source]))
         return self.output(q, pools, pos, inv_freq)
 

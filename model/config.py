@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from model.engram import EngramConfig
+from triton_kernels import indexer, topk
 from triton_kernels.rope import Yarn
 
 # Names used by the official ``inference/config.json`` -> our (Hugging Face) names.
@@ -334,6 +335,16 @@ def _validate(cfg: ModelConfig) -> None:
             cfg.compress_ratios[layer] == 0,
             f"compress_ratios[{layer}]={cfg.compress_ratios[layer]}: draft layers must be sliding-only (0)",
         )
+    # The indexer and top-k kernels' limits, so a checkpoint they cannot serve fails at load.
+    need(
+        cfg.index_topk <= topk.MAX_K,
+        f"index_topk={cfg.index_topk} exceeds the top-k kernel limit {topk.MAX_K}",
+    )
+    need(
+        cfg.index_n_heads <= indexer.MAX_HEADS and cfg.index_head_dim <= indexer.MAX_DIM,
+        f"index_n_heads={cfg.index_n_heads} / index_head_dim={cfg.index_head_dim} exceed the indexer kernel "
+        f"limits {indexer.MAX_HEADS} / {indexer.MAX_DIM}",
+    )
     if cfg.is_v41:
         _validate_v41(cfg, need)
     else:
@@ -393,6 +404,7 @@ def _validate_v41(cfg: ModelConfig, need: Callable[[bool, str], None]) -> None:
         )
         consumers = [s for s in index if s > cand and ratios[s] != ratios[cand]]
         need(not consumers, f"index sources {consumers} above candidate source {cand} have another ratio")
+        topk.check_candidate_geometry(cfg.candidate_block_size, cfg.candidate_topk_blocks)
         reach = (cfg.candidate_topk_blocks - 1) * cfg.candidate_block_size + 1
         need(
             reach >= cfg.index_topk,

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from model.attention import Positions
-from model.attention_v41 import Indexer41, V41Attention, candidate_mask, top_k_positions
+from model.attention_v41 import Indexer41, V41Attention
 from model.block import one_hot_premix
 from model.checkpoint import SINGLE_FILE, load_model
 from model.config import ModelConfig
@@ -89,7 +89,7 @@ def test_incremental_and_chunked_equal_cache_free(model, length):
 
 def test_two_level_with_every_block_kept_equals_one_level(tiny_dir, tmp_path):
     one_level = load_model(with_config(tiny_dir, tmp_path / "one", candidate_source_layer_id=-1))
-    every_block = load_model(with_config(tiny_dir, tmp_path / "all", candidate_topk_blocks=10_000))
+    every_block = load_model(with_config(tiny_dir, tmp_path / "all", candidate_topk_blocks=2048))
     ids = prompt(300, seed=7)
     with torch.no_grad():
         assert torch.equal(one_level(ids), every_block(ids))
@@ -99,31 +99,29 @@ def test_two_level_selection_invariants(model, monkeypatch):
     record = []
     select = Indexer41.select
 
-    def spy(self, scores, pos, published):
-        picked = select(self, scores, pos, published)
-        record.append((self.plan, pos, published.candidates, picked))
+    def spy(self, queries, keys, published):
+        picked = select(self, queries, keys, published)
+        record.append((self.plan, queries.visible.long(), published.candidates, picked.long()))
         return picked
 
     monkeypatch.setattr(Indexer41, "select", spy)
     with torch.no_grad():
         model(prompt(400, seed=3))
     cfg = model.cfg
-    source = next(r for r in record if r[0].candidates is Candidates.SOURCE)
-    consumer = next(r for r in record if r[0].candidates is Candidates.CONSUMER)
-    _, pos, candidates, _ = source
-    visible = pos.visible_entries(1)
-    newest = (visible - 1) // cfg.candidate_block_size * cfg.candidate_block_size
-    assert candidates[torch.arange(len(visible)), newest].all()  # the newest block is always a candidate
-    kept_blocks = candidates[:, :: cfg.candidate_block_size].sum(dim=1)
-    assert (kept_blocks <= cfg.candidate_topk_blocks).all()
-    picked = consumer[3]
-    rows = torch.arange(picked.shape[0])[:, None].expand_as(picked)
+    block = cfg.candidate_block_size
+    _, visible, blocks, own = next(r for r in record if r[0].candidates is Candidates.SOURCE)
+    picked = next(r for r in record if r[0].candidates is Candidates.CONSUMER)[3]
+    assert blocks.shape == (400, cfg.candidate_topk_blocks)
+    newest = (visible - 1) // block
+    assert (blocks == newest[:, None]).any(dim=1).all()  # the newest block is always a candidate
+    kept = blocks >= 0
+    assert (blocks[kept] < (visible[:, None].expand_as(blocks)[kept] + block - 1) // block).all()
     valid = picked >= 0
-    assert candidates[rows[valid], picked[valid]].all()  # consumers pick only inside candidates
+    inside = (blocks[:, None, :] == (picked // block)[:, :, None]).any(dim=2)
+    assert inside[valid].all()  # consumers pick only inside the candidate blocks
     assert (picked[valid] < visible[:, None].expand_as(picked)[valid]).all()
-    # the source's own selection is unrestricted: it picks outside its candidates somewhere
-    own = source[3]
-    assert not candidates[rows[own >= 0], own[own >= 0]].all()
+    own_inside = (blocks[:, None, :] == (own // block)[:, :, None]).any(dim=2)
+    assert not own_inside[own >= 0].all()  # the source's own selection is unrestricted
 
 
 def test_reuse_reads_its_source_and_reindex_rescoring(model, monkeypatch):
@@ -168,17 +166,6 @@ def test_layer0_attention_input_is_the_normed_embedding(model):
     assert torch.allclose(seen[0], model.layers[0].attn_norm(model.embed(ids)), atol=1e-6)
 
 
-def test_candidate_mask_and_top_k_reference():
-    scores = torch.tensor([[3.0, 1.0, 2.0, 5.0, -float("inf"), -float("inf")]])
-    mask = candidate_mask(scores, torch.tensor([4]), block=2, keep=1)
-    assert mask.tolist() == [[False, False, True, True, False, False]]  # newest block pinned, takes the slot
-    mask = candidate_mask(scores, torch.tensor([4]), block=2, keep=5)
-    assert mask.tolist() == [[True, True, True, True, False, False]]  # never an all -inf block
-    ties = torch.tensor([[1.0, 2.0, 2.0, 2.0, -float("inf")]])
-    assert top_k_positions(ties, 2).tolist() == [[1, 2]]  # ties go to the lower index
-    assert top_k_positions(ties, 5).tolist() == [[0, 1, 2, 3, -1]]
-
-
 @pytest.mark.parametrize(
     ("change", "message"),
     [
@@ -191,6 +178,9 @@ def test_candidate_mask_and_top_k_reference():
         ({"dspark_target_layer_ids": [7, 12]}, "dspark_target_layer_ids"),
         ({"hc_head_learned": True}, "unknown V4.1 fields"),
         ({"num_hash_layers": 2}, "num_hash_layers"),
+        ({"candidate_block_size": 3}, "candidate block_size"),
+        ({"candidate_topk_blocks": 4096}, "topk_blocks"),
+        ({"index_topk": 4096}, "top-k kernel limit"),
     ],
 )
 def test_bad_v41_config_fails_at_start(tiny_dir, change, message):
