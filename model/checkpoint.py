@@ -16,13 +16,14 @@ from model.config import ModelConfig
 from model.deepseek_v4 import DeepseekV4
 from model.deepseek_v41 import DeepseekV41
 from model.engram import compressed_token_map
-from model.quant import dequantize_fp8
+from model.quant import dequantize_fp4, dequantize_fp8
 from model.tokenizer import load_tokenizer
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 # Kept in fp32 whatever the compute dtype: mHC, sinks, compressor position bias, gate bias, norms.
 _TEXT_ONLY_SKIPS = re.compile(r"(\.gate\.bias_vl(\.|$)|^(vision|aligner)\.|^image_(start|newline|end)\b)")
+_FP4 = re.compile(r"\.experts\.\d+\.w[123]\.weight$")  # routed experts: packed E2M1 codes
 _FP32 = re.compile(r"(hc_\w+|attn_sink|\.ape|gate\.bias|norm\.weight)$")
 
 
@@ -49,12 +50,17 @@ def read_tensors(path: str | Path) -> dict[str, torch.Tensor]:
 def dequantize(
     tensors: dict[str, torch.Tensor], block: int | None, dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
-    """Fold each FP8 ``X.weight`` with its ``X.scale`` into one ``dtype`` weight."""
+    """Fold each FP8 or MXFP4 ``X.weight`` with its ``X.scale`` into one ``dtype`` weight."""
     out: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
         if name.endswith(".scale") and name.removesuffix(".scale") + ".weight" in tensors:
             continue
-        if t.dtype == torch.float8_e4m3fn:
+        if t.dtype == torch.int8 and _FP4.search(name):
+            scale = tensors.get(name.removesuffix(".weight") + ".scale")
+            if scale is None:
+                raise ValueError(f"FP4 tensor {name} has no sibling .scale")
+            t = dequantize_fp4(t, scale, dtype)
+        elif t.dtype == torch.float8_e4m3fn:
             scale = tensors.get(name.removesuffix(".weight") + ".scale")
             if scale is None or block is None:
                 raise ValueError(
@@ -87,7 +93,7 @@ def load_model(
     model = model.to_empty(device=device)
     model.load_official(weights)
     model.init_buffers()
-    return model.eval()
+    return model.requires_grad_(False).eval()  # inference only
 
 
 def _drop_unused(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -13,6 +13,7 @@ import argparse
 import json
 import math
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -25,7 +26,7 @@ from model.config import ModelConfig
 from model.deepseek_v4 import DeepseekV4
 from model.deepseek_v41 import DeepseekV41
 from model.engram import compressed_token_map
-from model.quant import quantize_fp8
+from model.quant import quantize_fp4, quantize_fp8
 from model.tokenizer import NOISE_TOKEN_ID, load_tokenizer, write_tokenizer
 
 TOY_V4 = {
@@ -119,8 +120,9 @@ FP8_CONFIG = {
     "activation_scheme": "dynamic",
     "scale_fmt": "ue8m0",
     "weight_block_size": [32, 32],
+    "expert_dtype": "fp4",
 }
-# Linears stored as FP8 in the official checkpoints (routed experts are FP4 there: left unquantised).
+# Linears stored as FP8 in the official checkpoints.
 _FP8_LINEARS = (
     "attn.wq_a.",
     "attn.wq_b.",
@@ -202,10 +204,16 @@ def random_weights(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
 
 
 def quantize(weights: dict[str, torch.Tensor], block: int) -> dict[str, torch.Tensor]:
+    """The official storage: FP8 linears, MXFP4 routed experts, FP8 Engram tables with per-row scales."""
     out = {}
     for name, t in weights.items():
-        if name.endswith(".weight") and any(k in name for k in _FP8_LINEARS):
-            out[name], out[name.removesuffix(".weight") + ".scale"] = quantize_fp8(t, block)
+        scale_name = name.removesuffix(".weight") + ".scale"
+        if re.search(r"\.experts\.\d+\.w[123]\.weight$", name):
+            out[name], out[scale_name] = quantize_fp4(t)
+        elif name.endswith(".engram.embed.weight"):
+            out[name], out[scale_name] = quantize_fp8(t, block, row_block=1)
+        elif name.endswith(".weight") and any(k in name for k in _FP8_LINEARS):
+            out[name], out[scale_name] = quantize_fp8(t, block)
         else:
             out[name] = t
     return out

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from model.checkpoint import SINGLE_FILE, load_model
-from model.quant import dequantize_fp8, quantize_fp8
+from model.quant import dequantize_fp4, dequantize_fp8, quantize_fp4, quantize_fp8
 from model.tiny import write_tiny
 
 
@@ -103,3 +103,25 @@ def test_fp8_round_trip_within_e4m3_precision():
     assert ((back - w).abs() <= w.abs() / 16 + block_max * 2.0**-9).all()
     with pytest.raises(ValueError, match="scale shape"):
         dequantize_fp8(q, scale[:1], 32, torch.float32)
+
+
+def test_fp8_per_row_scales_of_engram_tables():
+    w = torch.randn(5, 64, generator=torch.Generator().manual_seed(1)) * torch.arange(1, 6)[:, None]
+    q, scale = quantize_fp8(w, 32, row_block=1)
+    assert scale.shape == (5, 2)
+    back = dequantize_fp8(q, scale, 32, torch.float32)
+    assert ((back - w).abs() <= w.abs() / 16 + 2.0**-6).all()
+
+
+def test_fp4_codes_low_nibble_first_and_round_trip():
+    scale = torch.ones(1, 1).to(torch.float8_e8m0fnu)
+    packed = torch.full((1, 16), 0xA0, dtype=torch.uint8).view(torch.int8)  # high nibble 0xA = -1.0, low 0x0 = 0
+    assert dequantize_fp4(packed, scale, torch.float32)[0, :2].tolist() == [0.0, -1.0]
+    codes = torch.full((1, 16), 0x71, dtype=torch.uint8).view(torch.int8)  # low 1 -> 0.5, high 7 -> 6.0
+    two = torch.tensor([[128]], dtype=torch.uint8).view(torch.float8_e8m0fnu)  # E8M0 128 = 2.0
+    assert dequantize_fp4(codes, two, torch.float32)[0, :2].tolist() == [1.0, 12.0]
+    w = torch.tensor([[0.0, 0.5, -1.5, 3.0, 6.0, -6.0, 2.0, 4.0] * 4])
+    packed, s = quantize_fp4(w)
+    assert torch.equal(dequantize_fp4(packed, s, torch.float32), w)  # representable values survive exactly
+    with pytest.raises(ValueError, match="FP4 scale shape"):
+        dequantize_fp4(packed, torch.ones(2, 1).to(torch.float8_e8m0fnu), torch.float32)

@@ -232,3 +232,12 @@ def test_dspark_block_is_non_causal_with_a_bounded_context(model):
     assert len(draft.tokens) == block and draft.logits.shape == (block, cfg.vocab_size)
     assert ((draft.confidence > 0) & (draft.confidence < 1)).all()
     assert draft.tokens == draft.logits.argmax(-1).tolist()
+
+
+def test_quantised_v41_checkpoint_loads(tiny_dir, model, tmp_path):
+    """FP8 linears and Engram tables (per-row scales) and MXFP4 experts, dequantised on load."""
+    quantised = load_model(write_tiny(tmp_path / "fp8", arch="v41", fp8=True))
+    table, ref = quantised.layers[1].engram.embed.weight, model.layers[1].engram.embed.weight
+    assert ((table - ref).abs() <= ref.abs() / 16 + 2.0**-12).all()
+    with torch.no_grad():
+        assert torch.isfinite(quantised(prompt(40))).all()
