@@ -13,26 +13,18 @@ on other devices the peak is a measured device-to-device copy.
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import os
-import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-# Without a device the kernels run interpreted. TRITON_INTERPRET is read when triton decorates its
-# own library too, so it is set before triton is first imported (runtime imports it).
-if not torch.cuda.is_available() and importlib.util.find_spec("torch_npu") is None:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+# Without a device this switches the kernels to the interpreter, which must precede importing triton.
+from benchmarks.common import device, hbm_peak, time_ms  # isort: split
 
-import triton  # noqa: E402
+import triton
 
-from triton_kernels import indexer, quant, runtime, topk  # noqa: E402
-from triton_kernels.indexer import IndexQueries, KeyPool  # noqa: E402
-
-_HBM_PEAK = {"H200": 4.8e12, "H100": 3.35e12, "H800": 3.35e12, "A100": 2.0e12}  # bytes/s, by name part
+from triton_kernels import indexer, quant, runtime, topk
+from triton_kernels.indexer import IndexQueries, KeyPool
 
 
 @dataclass(frozen=True)
@@ -88,31 +80,6 @@ def _traffic(queries: IndexQueries, pool: KeyPool, out_elems: int, entries: int 
     keys = int(seen.sum()) if entries is None else entries
     q = queries.q.numel() * queries.q.element_size() + queries.weights.numel() * 4
     return keys * per_key + q + 4 * out_elems
-
-
-def _time(fn: Callable[[], object], iters: int) -> float:
-    """Milliseconds per call: triton's benchmark on a device, the median of ``iters`` runs on a CPU."""
-    fn()  # compiles, autotunes
-    if runtime.backend() != "cpu":
-        return triton.testing.do_bench(fn)
-    runs = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        fn()
-        runs.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(runs)
-
-
-def _peak(device: torch.device) -> tuple[float, str] | None:
-    if runtime.backend() == "cpu":
-        return None
-    name = runtime.device_name()
-    for part, peak in _HBM_PEAK.items():
-        if part in name:
-            return peak, f"{name} HBM"
-    buf = torch.empty(256 * 2**20, dtype=torch.uint8, device=device)
-    ms = _time(lambda: buf.clone(), 5)
-    return 2 * buf.numel() / (ms * 1e-3), "measured copy"
 
 
 def _cases(
@@ -191,10 +158,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--large", action="store_true", help="model shapes (slow under the interpreter)")
     parser.add_argument("--iters", type=int, default=3, help="timed runs per op on a CPU")
     args = parser.parse_args(argv)
-    if runtime.backend() == "cpu" and not runtime.interpreter_active():
-        raise SystemExit("no device: run with TRITON_INTERPRET=1 to time the kernels in the interpreter")
-    device = torch.device({"cpu": "cpu", "cuda": "cuda", "npu": "npu"}[runtime.backend()])
-    peak = _peak(device)
+    dev = device()
+    peak = hbm_peak(dev)
     mode = "interpreter" if runtime.interpreter_active() else "compiled"
     print(f"backend {runtime.backend()} ({runtime.device_name()}), kernels {mode}")
     if peak:
@@ -208,8 +173,8 @@ def main(argv: list[str] | None = None) -> None:
             f"  {'op':<28}{'torch ms':>11}{'kernel ms':>11}{'ratio':>9}"
             + ("    GB/s  of peak" if peak else "")
         )
-        for name, ref, kernel, traffic in _cases(s, device):
-            ref_ms, kernel_ms = _time(ref, args.iters), _time(kernel, args.iters)
+        for name, ref, kernel, traffic in _cases(s, dev):
+            ref_ms, kernel_ms = time_ms(ref, args.iters), time_ms(kernel, args.iters)
             line = f"  {name:<28}{ref_ms:>11.3f}{kernel_ms:>11.3f}{ref_ms / kernel_ms:>8.2f}x"
             if peak:
                 rate = traffic / (kernel_ms * 1e-3)

@@ -21,6 +21,7 @@ from triton_kernels.indexer import IndexQueries, KeyPool, indexer_logits, indexe
 from triton_kernels.quant import quantize_int8
 from triton_kernels.rmsnorm import rms_norm
 from triton_kernels.rope import apply_rope
+from triton_kernels.sparse_attn import KVPool, sparse_attention
 
 
 @dataclass
@@ -154,8 +155,10 @@ class SharedKVAttention(nn.Module):
         pos: Positions,
         inv_freq: torch.Tensor,
     ) -> torch.Tensor:
-        out = sparse_attention(q, pools, self.attn_sink, self.head_dim**-0.5)
-        out = apply_rope(out, pos.values, inv_freq, inverse=True)  # values carry rope: de-rotate at the query
+        # Values carry rope: the output is de-rotated at the query position (fused into the op).
+        kv_pools = [KVPool(kv, idx) for kv, idx in pools]
+        scale = self.head_dim**-0.5
+        out, _ = sparse_attention(q, kv_pools, self.attn_sink.float(), scale, pos.values, inv_freq)
         # Group g of H/G heads is projected by row block g of wo_a only.
         grouped = out.reshape(out.shape[0], self.groups, -1)
         weight = self.wo_a.weight.view(self.groups, -1, grouped.shape[-1])
@@ -196,22 +199,3 @@ class V4Attention(SharedKVAttention):
                 )
             pools.append((entries, picked))
         return self.output(q, pools, pos, inv_freq)
-
-
-def sparse_attention(
-    q: torch.Tensor, pools: list[tuple[torch.Tensor, torch.Tensor]], sink: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """Shared-KV attention with a per-head sink over gathered keys.
-
-    ``q [T, H, D]``; each pool is ``(kv [N, D], indices [T, K])`` with ``-1`` = invalid; keys are
-    also the values. The sink only enlarges the softmax denominator. Returns ``[T, H, D]``.
-    """
-    keys, logits = [], []
-    for kv, idx in pools:
-        gathered = kv[idx.clamp(min=0)].float()  # [T, K, D]
-        score = torch.einsum("thd,tkd->thk", q.float(), gathered) * scale
-        logits.append(score.masked_fill((idx < 0)[:, None, :], float("-inf")))
-        keys.append(gathered)
-    logits.append(sink.float().view(1, -1, 1).expand(q.shape[0], -1, 1))
-    probs = torch.cat(logits, dim=-1).softmax(dim=-1)[..., :-1]
-    return torch.einsum("thk,tkd->thd", probs, torch.cat(keys, dim=1)).to(q.dtype)

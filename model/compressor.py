@@ -1,9 +1,10 @@
 """V4 KV compressor: one entry per ``ratio`` tokens, softmax-gated per channel (model-spec §4.5).
 
 Ratio 4 (CSA) pools two overlapping windows: entry g mixes the Ca half of group g-1 with the Cb
-half of group g over 2*ratio slots. Ratio 128 (HCA) pools its own group only. The state carries
-the open group's raw projections and the last group's Ca half, so any chunking of the input
-gives the entries of a one-shot pass.
+half of group g over 2*ratio slots. Ratio 128 (HCA) pools its own group only. The projections are
+GEMMs here; the pooling, norm, rotation and state update are the ``compress`` op, whose state (the
+open group's raw projections and the last group's Ca half) makes any chunking of the input give
+the entries of a one-shot pass.
 """
 
 from __future__ import annotations
@@ -14,24 +15,17 @@ import torch
 from torch import nn
 
 from model.layers import RMSNorm, linear
+from triton_kernels.compressor import CompressBatch, CompressorParams, CompressorStates, compress
 from triton_kernels.rope import apply_rope
 
 
 @dataclass
 class CompressorState:
-    buffer_kv: torch.Tensor  # [t_seen mod ratio, coff*c]: raw wkv·x of the open group
-    buffer_gate: torch.Tensor  # same, raw wgate·x (ape is added when the group closes)
-    entries: torch.Tensor  # [entry_count, c]: emitted entries, normed and rotated
-    overlap_kv: torch.Tensor | None = None  # [ratio, c]: Ca half of the last closed group
-    overlap_gate: torch.Tensor | None = None  # same for the gate, ape included
+    """One request: the op's state (row 0), the tokens seen and the entries emitted so far."""
 
-    @classmethod
-    def empty(cls, width: int, dim: int, device: torch.device) -> CompressorState:
-        return cls(
-            torch.zeros(0, width, device=device),
-            torch.zeros(0, width, device=device),
-            torch.zeros(0, dim, device=device),
-        )
+    pending: CompressorStates
+    entries: torch.Tensor  # [entry_count, c]: normed (and, for V4, rotated)
+    num_tokens: int = 0
 
 
 class Compressor(nn.Module):
@@ -52,35 +46,32 @@ class Compressor(nn.Module):
         self.norm = RMSNorm(dim, eps)
 
     def new_state(self, device: torch.device) -> CompressorState:
-        return CompressorState.empty(self.wkv.out_features, self.dim, device)
+        pending = CompressorStates.empty(1, self.ratio, self.dim, self.overlap, device)
+        return CompressorState(pending, torch.zeros(0, self.dim, device=device))
 
-    def pool(self, x: torch.Tensor, state: CompressorState | None) -> tuple[torch.Tensor, int]:
-        """Normed, un-rotated entries of the groups that ``x [S, D]`` closes, and the first one's index.
+    def pool(
+        self, x: torch.Tensor, state: CompressorState | None, inv_freq: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, int]:
+        """Normed entries ``[E, c]`` (fp32) of the groups that ``x [S, D]`` closes, and the first one's index.
 
-        Without a state the complete groups of ``x`` are compressed and the rest is dropped.
+        Entries are rotated when ``inv_freq`` is given, the un-rotated latents otherwise. Without a
+        state the complete groups of ``x`` are compressed and the rest is dropped.
         """
-        kv = self.wkv(x).float()
-        if self.ratio == 1:
-            first = state.entries.shape[0] if state is not None else 0
-            return self.norm(kv), first
-        gate = self.wgate(x).float()
-        first = 0
+        start = state.num_tokens if state is not None else 0
+        first = start // self.ratio
+        positions = torch.arange(start, start + x.shape[0], dtype=torch.int32, device=x.device)
+        closed = (positions + 1) // self.ratio  # groups closed once each token is in
+        slots = torch.where((positions + 1) % self.ratio == 0, closed - 1 - first, -1).to(torch.int32)
+        entries = torch.empty((start + x.shape[0]) // self.ratio - first, self.dim, device=x.device)
+        params = CompressorParams(
+            self.ratio, self.overlap, self.norm.weight, self.norm.eps, getattr(self, "ape", None), inv_freq
+        )
+        gate = self.wgate(x) if self.ratio > 1 else None
+        pending = state.pending if state is not None else None
+        compress(self.wkv(x), gate, CompressBatch.single(start, slots), pending, params, entries)
         if state is not None:
-            first = state.entries.shape[0]
-            kv, gate = torch.cat([state.buffer_kv, kv]), torch.cat([state.buffer_gate, gate])
-        groups = kv.shape[0] // self.ratio
-        usable = groups * self.ratio
-        if state is not None:
-            state.buffer_kv, state.buffer_gate = kv[usable:], gate[usable:]
-        if groups == 0:  # no group closes: the overlap state stays as it is
-            return kv.new_zeros(0, self.dim), first
-        kv = kv[:usable].view(groups, self.ratio, -1)
-        gate = gate[:usable].view(groups, self.ratio, -1)
-        if hasattr(self, "ape"):
-            gate = gate + self.ape.float()
-        if self.overlap:
-            kv, gate = self._overlap_slots(kv, gate, state)
-        return self.norm((kv * gate.softmax(dim=1)).sum(dim=1)), first
+            state.num_tokens += x.shape[0]
+        return entries, first
 
     def rotate(self, latent: torch.Tensor, first: int, inv_freq: torch.Tensor) -> torch.Tensor:
         """RoPE of each entry at its group's first token position."""
@@ -89,24 +80,8 @@ class Compressor(nn.Module):
 
     def forward(self, x: torch.Tensor, inv_freq: torch.Tensor, state: CompressorState | None) -> torch.Tensor:
         """Every rotated entry so far ``[E, dim]`` (the V4 compressed KV)."""
-        latent, first = self.pool(x, state)
-        entries = self.rotate(latent, first, inv_freq)
+        entries, _ = self.pool(x, state, inv_freq)
         if state is None:
             return entries
         state.entries = torch.cat([state.entries, entries])
         return state.entries
-
-    def _overlap_slots(
-        self, kv: torch.Tensor, gate: torch.Tensor, state: CompressorState | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Lay out [Ca of group g-1 | Cb of group g] over 2*ratio slots for each group g."""
-        c, r = self.dim, self.ratio
-        slots_kv = kv.new_zeros(kv.shape[0], 2 * r, c)
-        slots_gate = gate.new_full((kv.shape[0], 2 * r, c), float("-inf"))  # empty slots weigh 0
-        slots_kv[:, r:], slots_gate[:, r:] = kv[..., c:], gate[..., c:]
-        slots_kv[1:, :r], slots_gate[1:, :r] = kv[:-1, :, :c], gate[:-1, :, :c]
-        if state is not None:
-            if state.overlap_kv is not None:
-                slots_kv[0, :r], slots_gate[0, :r] = state.overlap_kv, state.overlap_gate
-            state.overlap_kv, state.overlap_gate = kv[-1, :, :c].clone(), gate[-1, :, :c].clone()
-        return slots_kv, slots_gate

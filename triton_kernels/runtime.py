@@ -4,7 +4,8 @@ The backend is decided once per process: ``npu`` when ``torch_npu`` imports and 
 ``cuda`` when torch sees a GPU, ``cpu`` otherwise. Public operators run their Triton kernel only on
 tensors living on an NPU or a GPU (``use_triton``); on CPU they run the torch reference, and the
 Triton launchers are exercised directly under ``TRITON_INTERPRET=1`` in tests. ``DSV4_FORCE_TORCH=1``
-sends every operator to its torch reference, for debugging.
+sends every operator to its torch reference, for debugging; ``DSV4_TRITON_ON_CPU=1`` together with
+``TRITON_INTERPRET=1`` sends CPU tensors to the Triton kernels instead (a whole model on the interpreter).
 """
 
 from __future__ import annotations
@@ -53,8 +54,13 @@ def interpreter_active() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in _TRUE
 
 
+def triton_on_cpu() -> bool:
+    return interpreter_active() and os.environ.get("DSV4_TRITON_ON_CPU", "0").lower() in _TRUE
+
+
 def use_triton(tensor: torch.Tensor) -> bool:
-    return tensor.device.type in ("npu", "cuda") and not force_torch()
+    on_device = tensor.device.type in ("npu", "cuda") or (tensor.device.type == "cpu" and triton_on_cpu())
+    return on_device and not force_torch()
 
 
 @functools.cache

@@ -10,10 +10,10 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_kernels import indexer, mhc, quant, rmsnorm, rope, runtime, topk
+from triton_kernels import compressor, indexer, mhc, quant, rmsnorm, rope, runtime, sparse_attn, topk
 from triton_kernels.spec import KernelSpec, TuneConfig
 
-OP_MODULES = (rmsnorm, rope, mhc, topk, indexer, quant)
+OP_MODULES = (rmsnorm, rope, mhc, topk, indexer, quant, sparse_attn, compressor)
 
 
 def test_cpu_backend_facts() -> None:
@@ -36,6 +36,16 @@ def test_use_triton_only_on_devices(monkeypatch: pytest.MonkeyPatch) -> None:
     assert runtime.use_triton(on_gpu)
     monkeypatch.setenv("DSV4_FORCE_TORCH", "1")
     assert not runtime.use_triton(on_gpu)
+
+
+def test_triton_on_cpu_needs_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DSV4_TRITON_ON_CPU", "1")
+    assert runtime.use_triton(torch.zeros(2))
+    monkeypatch.setenv("DSV4_FORCE_TORCH", "1")
+    assert not runtime.use_triton(torch.zeros(2))
+    monkeypatch.setenv("DSV4_FORCE_TORCH", "0")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # compiled kernels cannot take CPU tensors
+    assert not runtime.use_triton(torch.zeros(2))
 
 
 def test_fits_counts_double_buffering() -> None:

@@ -1,0 +1,178 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from triton_kernels import runtime
+from triton_kernels.quant import dequantize_int8, quantize_int8_ref
+from triton_kernels.rope import apply_rope_ref, rope_inv_freq
+from triton_kernels.sparse_attn import KVPool, sparse_attention, sparse_attention_ref, sparse_attention_triton
+
+SLOTS = 700
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _indices(t: int, k: int, seed: int, empty_rows: tuple[int, ...] = ()) -> torch.Tensor:
+    """Random slots with about a quarter invalid; ``empty_rows`` have no valid slot at all."""
+    idx = torch.randint(0, SLOTS, (t, k), generator=_gen(seed), dtype=torch.int32)
+    idx[torch.rand(t, k, generator=_gen(seed + 1)) < 0.25] = -1
+    idx[list(empty_rows)] = -1
+    return idx
+
+
+def _case(t: int, h: int, d: int, kw: int, kc: int, kind: str, seed: int = 0):
+    """Query, two pools (window, compressed) sharing one KV table, per-head sinks; the second row has no
+    valid slot in either pool."""
+    dtype = torch.bfloat16 if kind == "bf16" else torch.float32
+    q = torch.randn(t, h, d, generator=_gen(seed)).to(dtype)
+    kv = torch.randn(SLOTS, d, generator=_gen(seed + 1))
+    scale = None
+    if kind == "int8":
+        kv, scale = quantize_int8_ref(kv)
+    else:
+        kv = kv.to(dtype)
+    empty = (1,) if t > 1 else ()
+    pools = [
+        KVPool(kv, _indices(t, kw, seed + 2, empty), scale),
+        KVPool(kv, _indices(t, kc, seed + 4, empty), scale),
+    ]
+    sink = torch.randn(h, generator=_gen(seed + 6))
+    return q, pools, sink
+
+
+def _rope(t: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randint(0, 1 << 20, (t,), generator=_gen(seed)), rope_inv_freq(16, 160000.0)
+
+
+def _check(q, pools, sink, rope, split: bool, atol: float) -> None:
+    positions, inv_freq = rope if rope else (None, None)
+    scale = q.shape[-1] ** -0.5
+    out, lse = sparse_attention_triton(q, pools, sink, scale, positions, inv_freq, split=split)
+    ref_out, ref_lse = sparse_attention_ref(q, pools, sink, scale, positions, inv_freq)
+    assert out.dtype == q.dtype and lse.dtype == torch.float32
+    assert not out.isnan().any() and not lse.isnan().any()
+    torch.testing.assert_close(out.float(), ref_out.float(), atol=atol, rtol=0)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["prefill", "decode"])
+@pytest.mark.parametrize(
+    ("t", "h", "d", "kw", "kc"),
+    [
+        (5, 1, 64, 16, 40),
+        (6, 4, 64, 128, 512),
+        (3, 16, 32, 7, 0),
+        (2, 16, 512, 128, 512),
+        (1, 4, 512, 128, 33),
+    ],
+)
+def test_kernel_matches_reference(t: int, h: int, d: int, kw: int, kc: int, split: bool) -> None:
+    q, pools, sink = _case(t, h, d, kw, kc, "fp32")
+    _check(q, pools, sink, _rope(t), split, atol=1e-5)
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["prefill", "decode"])
+@pytest.mark.parametrize("kind", ["bf16", "int8"])
+def test_kernel_matches_reference_on_bf16_and_int8_pools(kind: str, split: bool) -> None:
+    # int8 pools are compared against the attention over their dequantised rows, in fp32.
+    q, pools, sink = _case(4, 4, 64, 32, 96, kind, seed=3)
+    _check(q, pools, sink, _rope(4), split, atol=1e-2 if kind == "bf16" else 1e-5)
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["prefill", "decode"])
+def test_extreme_sinks_and_rows_without_slots(split: bool) -> None:
+    q, pools, _ = _case(3, 4, 64, 16, 24, "fp32", seed=5)
+    sink = torch.tensor([1e4, -1e4, float("-inf"), 0.0])
+    _check(q, pools, sink, None, split, atol=1e-5)
+    out, lse = sparse_attention_triton(q, pools, sink, 0.125, split=split)
+    assert torch.all(out[:, 0] == 0)  # a huge sink takes all the weight
+    assert torch.all(out[1] == 0) and torch.all(lse[1] == float("-inf"))  # no valid slot: zeros, no NaN
+
+
+def test_single_pool_and_empty_batch() -> None:
+    q, pools, sink = _case(3, 4, 64, 16, 0, "fp32")
+    _check(q, pools[:1], sink, _rope(3), split=False, atol=1e-5)
+    out, lse = sparse_attention_triton(q[:0], [KVPool(p.kv, p.indices[:0]) for p in pools], sink, 0.1)
+    assert out.shape == (0, 4, 64) and lse.shape == (0, 4)
+
+
+def test_reference_is_softmax_with_a_sink_column() -> None:
+    q, pools, sink = _case(4, 4, 32, 8, 8, "fp32", seed=7)
+    scale = 32**-0.5
+    rows = torch.cat([p.kv[p.indices.clamp(min=0).long()] for p in pools], dim=1)
+    valid = torch.cat([p.indices >= 0 for p in pools], dim=1)
+    logits = torch.einsum("thd,tkd->thk", q, rows) * scale
+    logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
+    logits = torch.cat([logits, sink.view(1, -1, 1).expand(4, -1, 1)], dim=-1)
+    expected = torch.einsum("thk,tkd->thd", logits.softmax(-1)[..., :-1], rows)
+    out, lse = sparse_attention_ref(q, pools, sink, scale)
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(lse, torch.logsumexp(logits[..., :-1], dim=-1))
+    # sink -> -inf is plain softmax; the fused de-rotation is apply_rope(inverse=True) of the output.
+    plain, _ = sparse_attention_ref(q, pools, torch.full((4,), float("-inf")), scale)
+    torch.testing.assert_close(plain[0], torch.einsum("hk,kd->hd", logits[0, :, :-1].softmax(-1), rows[0]))
+    positions, inv_freq = _rope(4)
+    rotated, _ = sparse_attention_ref(q, pools, sink, scale, positions, inv_freq)
+    torch.testing.assert_close(rotated, apply_rope_ref(out, positions, inv_freq, inverse=True))
+
+
+def test_int8_reference_uses_dequantised_rows() -> None:
+    q, pools, sink = _case(3, 2, 32, 8, 8, "int8", seed=9)
+    dequantised = [KVPool(dequantize_int8(p.kv, p.scale), p.indices) for p in pools]
+    for a, b in zip(
+        sparse_attention_ref(q, pools, sink, 0.2),
+        sparse_attention_ref(q, dequantised, sink, 0.2),
+        strict=True,
+    ):
+        torch.testing.assert_close(a, b)
+
+
+def test_public_op_dispatches_by_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    q, pools, sink = _case(2, 4, 64, 8, 8, "fp32")
+    assert not runtime.use_triton(q)
+    ref = sparse_attention_ref(q, pools, sink, 0.1)
+    for a, b in zip(sparse_attention(q, pools, sink, 0.1), ref, strict=True):
+        assert torch.equal(a, b)
+    monkeypatch.setenv("DSV4_TRITON_ON_CPU", "1")
+    assert runtime.use_triton(q)
+    for a, b in zip(sparse_attention(q, pools, sink, 0.1), ref, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def _bad(**change):
+    q, pools, sink = _case(2, 4, 64, 8, 8, "fp32")
+    args = {"q": q, "pools": pools, "sink": sink, "scale": 0.1, "positions": None, "inv_freq": None}
+    args.update(change)
+    return args
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"q": torch.zeros(2, 4, 1024)}, "D <= 512"),
+        ({"q": torch.zeros(2, 4, 64, dtype=torch.float16)}, "q: torch.float16"),
+        ({"pools": []}, "pools: 0 given"),
+        (
+            {"pools": [KVPool(torch.zeros(10, 32), torch.zeros(2, 3, dtype=torch.int32))]},
+            r"\[num_slots, 64\]",
+        ),
+        ({"pools": [KVPool(torch.zeros(10, 64), torch.full((2, 3), 10, dtype=torch.int32))]}, r"\[-1, 10\)"),
+        ({"pools": [KVPool(torch.zeros(10, 64), torch.full((2, 3), -2, dtype=torch.int32))]}, r"range \[-2"),
+        (
+            {"pools": [KVPool(torch.zeros(10, 64, dtype=torch.int8), torch.zeros(2, 3, dtype=torch.int32))]},
+            "scale",
+        ),
+        ({"pools": [KVPool(torch.zeros(10, 64), torch.zeros(3, 3, dtype=torch.int32))]}, r"\[2, K\]"),
+        ({"sink": torch.zeros(3)}, "sink"),
+        ({"scale": 0.0}, "scale: 0.0"),
+        ({"positions": torch.zeros(2, dtype=torch.int64)}, "give both"),
+        ({"positions": torch.zeros(3, dtype=torch.int64), "inv_freq": torch.ones(8)}, "positions"),
+        ({"positions": torch.zeros(2, dtype=torch.int64), "inv_freq": torch.ones(40)}, "inv_freq"),
+    ],
+)
+def test_contract_is_validated(change: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        sparse_attention(**_bad(**change))

@@ -1,0 +1,705 @@
+"""KV compressor: every ``ratio`` tokens of a request become one gated entry (model-spec §4.5, §4.7).
+
+Layout
+    A ragged batch of R requests. ``kv, gate [N, W]`` (fp32 / bf16) are the new tokens' projections
+    ``wkv·x`` and ``wgate·x``; ``CompressBatch`` says whose they are: request r owns rows
+    ``cu_seqlens[r] .. cu_seqlens[r+1]-1``, had seen ``start[r]`` tokens before (the position of its first
+    new token) and keeps its state in row ``state_ids[r]`` (distinct) of the state pool; ``slots[i]`` is
+    the pool slot of the entry that token i closes (ignored where no window closes, -1 = do not store).
+    ``CompressorStates`` is that pool (fp32, updated in place): ``buffer_kv, buffer_gate [S, ratio-1, W]``
+    hold the raw kv / gate of the open window (row j = token ``start - start % ratio + j``, valid for
+    ``j < start % ratio``); with overlap, ``overlap_kv, overlap_gate [S, ratio, c]`` hold the Ca halves of
+    the last closed window, the gate with ``ape`` added (valid once ``start >= ratio``).
+
+Contract
+    ``compress(kv, gate, batch, states, params, out, out_scale=None) -> None``. Window g covers the
+    positions ``g·r .. g·r+r-1``; with ``z_t = gate_t + ape[t mod r]`` (no ``ape``: ``z_t = gate_t``):
+    without overlap (``W = c``), ``c_g = sum_j softmax_j(z_j) * kv_j`` per channel over the window;
+    with overlap (V4 ratio 4, ``W = 2c``) the softmax runs over ``2r`` slots: the Ca halves (channels
+    ``[0, c)``) of window ``g-1`` (weight 0 for ``g = 0``), then the Cb halves (``[c, 2c)``) of window g;
+    without gate (V4.1 ratio 1) ``c_g = kv_g``. The entry is ``RMSNorm(c_g) * norm_weight``, rotated on its
+    last ``2P`` channels at position ``g·r`` when ``params.inv_freq`` is given (V4; V4.1 keeps the latent),
+    written to ``out [num_slots, c]`` (fp32 / bf16, or int8 with ``out_scale [num_slots]`` as
+    ``quant.quantize_int8``) at the slot of the token that closes window g. Then every request's state
+    advances past its new tokens. ``states=None`` is the stateless pass (every ``start`` 0, nothing kept).
+    Any split of a request's tokens over calls gives the same entries and final state.
+
+Kernels
+    ``_compress_kernel``: one task is a token; a token that closes a window pools it with an online
+    softmax per channel over ``BLOCK_S`` slots at a time (each slot read from the new rows, the buffered
+    open window or the overlap slice: masked loads from each, never a pointer select), then norms,
+    rotates and quantises the row in registers and stores it. ``_compress_state_kernel``: one task is
+    (request, ``BLOCK_C`` columns); it saves the Ca half of the last closed window, then the new open
+    window. It runs after the entries kernel, which reads the old state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from triton_kernels import runtime
+from triton_kernels.quant import quantize_int8_ref
+from triton_kernels.rmsnorm import rms_norm_ref
+from triton_kernels.rope import apply_rope_ref
+from triton_kernels.sparse_attn import rotate_rows
+from triton_kernels.spec import KernelSpec, TuneConfig
+
+MAX_DIM = 1024  # the entry row is held whole
+_IN_DTYPES = (torch.float32, torch.bfloat16)
+_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
+_MAX_NUMEL = 2**31 - 1  # offsets and positions are int32 inside the kernels
+_NEG = tl.constexpr(-1.0e30)
+_TINY = tl.constexpr(1e-30)  # as quant: an all-zero row quantises to 0 without NaN
+
+
+@dataclass(frozen=True)
+class CompressorParams:
+    ratio: int
+    overlap: bool  # V4 ratio 4: two overlapping windows per entry
+    norm_weight: torch.Tensor  # [c] fp32
+    eps: float
+    ape: torch.Tensor | None = None  # [ratio, W] fp32 learned position bias of the gate (V4)
+    inv_freq: torch.Tensor | None = None  # [P] fp32: rotate entries at their window's first position
+
+
+@dataclass(frozen=True)
+class CompressBatch:
+    cu_seqlens: torch.Tensor  # [R + 1] int32
+    start: torch.Tensor  # [R] int32
+    state_ids: torch.Tensor  # [R] int32
+    slots: torch.Tensor  # [N] int32
+
+    @classmethod
+    def single(cls, start: int, slots: torch.Tensor) -> CompressBatch:
+        """One request, state row 0, whose new tokens are the rows of ``slots``."""
+        meta = torch.tensor([0, slots.numel(), start, 0], dtype=torch.int32).to(slots.device)
+        return cls(meta[:2], meta[2:3], meta[3:], slots)
+
+
+@dataclass
+class CompressorStates:
+    buffer_kv: torch.Tensor  # [S, ratio - 1, W] fp32
+    buffer_gate: torch.Tensor  # [S, ratio - 1, W] fp32
+    overlap_kv: torch.Tensor | None = None  # [S, ratio, c] fp32
+    overlap_gate: torch.Tensor | None = None  # [S, ratio, c] fp32, ape included
+
+    @classmethod
+    def empty(
+        cls, num_states: int, ratio: int, dim: int, overlap: bool, device: torch.device
+    ) -> CompressorStates:
+        def zeros(rows: int, width: int) -> torch.Tensor:
+            return torch.zeros(num_states, rows, width, device=device)
+
+        width = (2 if overlap else 1) * dim
+        slices = (zeros(ratio, dim), zeros(ratio, dim)) if overlap else ()
+        return cls(zeros(ratio - 1, width), zeros(ratio - 1, width), *slices)
+
+
+def compress(
+    kv: torch.Tensor,
+    gate: torch.Tensor | None,
+    batch: CompressBatch,
+    states: CompressorStates | None,
+    params: CompressorParams,
+    out: torch.Tensor,
+    out_scale: torch.Tensor | None = None,
+) -> None:
+    _validate(kv, gate, batch, states, params, out, out_scale)
+    run = compress_triton if runtime.use_triton(kv) else compress_ref
+    run(kv, gate, batch, states, params, out, out_scale)
+
+
+def _validate(
+    kv: torch.Tensor,
+    gate: torch.Tensor | None,
+    batch: CompressBatch,
+    states: CompressorStates | None,
+    params: CompressorParams,
+    out: torch.Tensor,
+    out_scale: torch.Tensor | None,
+) -> None:
+    r, c = params.ratio, params.norm_weight.numel()
+    device = kv.device
+    if r < 1 or (params.overlap and r < 2):
+        raise ValueError(f"ratio: {r} must be >= 1 (>= 2 with overlap)")
+    if params.norm_weight.dtype != torch.float32 or params.norm_weight.dim() != 1 or not 1 <= c <= MAX_DIM:
+        raise ValueError(
+            f"norm_weight: {params.norm_weight.dtype} {tuple(params.norm_weight.shape)} must be float32 [c],"
+            f" 1 <= c <= {MAX_DIM}"
+        )
+    width = (2 if params.overlap else 1) * c
+    if kv.dtype not in _IN_DTYPES or kv.dim() != 2 or kv.shape[1] != width:
+        raise ValueError(f"kv: {kv.dtype} {tuple(kv.shape)} must be [N, {width}] of {_IN_DTYPES}")
+    n = kv.shape[0]
+    if (gate is None) != (r == 1):
+        raise ValueError(f"gate: must be given exactly when ratio > 1 (ratio {r}: ratio 1 has no gate)")
+    if gate is not None and (gate.shape != kv.shape or gate.dtype != kv.dtype):
+        raise ValueError(
+            f"gate: {gate.dtype} {tuple(gate.shape)} must equal kv's {kv.dtype} {tuple(kv.shape)}"
+        )
+    if params.ape is not None and (
+        r == 1 or params.ape.dtype != torch.float32 or params.ape.shape != (r, width)
+    ):
+        raise ValueError(
+            f"ape: {params.ape.dtype} {tuple(params.ape.shape)} must be float32 ({r}, {width}) (ratio > 1)"
+        )
+    if not params.eps > 0:
+        raise ValueError(f"eps: {params.eps} must be > 0")
+    freq = params.inv_freq
+    if freq is not None and (
+        freq.dtype != torch.float32 or freq.dim() != 1 or not 1 <= 2 * freq.numel() <= c or c % 2
+    ):
+        raise ValueError(
+            f"inv_freq: {freq.dtype} {tuple(freq.shape)} must be float32 [P] with 2P <= c = {c}, c even"
+        )
+    if out.dtype not in _OUT_DTYPES or out.dim() != 2 or out.shape[1] != c:
+        raise ValueError(f"out: {out.dtype} {tuple(out.shape)} must be [num_slots, {c}] of {_OUT_DTYPES}")
+    if (out_scale is not None) != (out.dtype == torch.int8):
+        raise ValueError(f"out_scale: must be given exactly when out is int8 (out is {out.dtype})")
+    if out_scale is not None and (out_scale.dtype != torch.float32 or out_scale.shape != out.shape[:1]):
+        raise ValueError(
+            f"out_scale: {out_scale.dtype} {tuple(out_scale.shape)} must be float32 ({out.shape[0]},)"
+        )
+    reqs = batch.start.shape[0]
+    for name, x, shape in (
+        ("cu_seqlens", batch.cu_seqlens, (reqs + 1,)),
+        ("start", batch.start, (reqs,)),
+        ("state_ids", batch.state_ids, (reqs,)),
+        ("slots", batch.slots, (n,)),
+    ):
+        if x.dtype != torch.int32 or x.shape != shape:
+            raise ValueError(f"{name}: {x.dtype} {tuple(x.shape)} must be torch.int32 {shape}")
+    if states is not None:
+        shape = (states.buffer_kv.shape[0], r - 1, width)
+        slices = (states.overlap_kv, states.overlap_gate)
+        for name, x, want in (
+            ("buffer_kv", states.buffer_kv, shape),
+            ("buffer_gate", states.buffer_gate, shape),
+            *(
+                (name, x, (shape[0], r, c))
+                for name, x in zip(("overlap_kv", "overlap_gate"), slices, strict=True)
+            ),
+        ):
+            if (x is not None) != (name.startswith("buffer") or params.overlap):
+                raise ValueError(f"{name}: the overlap slices are given exactly with overlap, buffers always")
+            if x is not None and (x.dtype != torch.float32 or x.shape != want or not x.is_contiguous()):
+                raise ValueError(
+                    f"{name}: {x.dtype} {tuple(x.shape)} must be contiguous torch.float32 {want}"
+                )
+    tensors = {"kv": kv, "gate": gate, "out": out, "out_scale": out_scale, **vars(params), **vars(batch)}
+    tensors.update(vars(states) if states is not None else {})
+    for name, x in tensors.items():
+        if not isinstance(x, torch.Tensor):
+            continue
+        if x.device != device:
+            raise ValueError(f"{name}: device {x.device} differs from kv's device {device}")
+        if x.numel() > _MAX_NUMEL:
+            raise ValueError(f"{name}: {x.numel()} elements exceeds the limit {_MAX_NUMEL}")
+    if reqs:
+        _check_ranges(batch, states, n, out.shape[0])
+
+
+def _check_ranges(batch: CompressBatch, states: CompressorStates | None, n: int, num_slots: int) -> None:
+    """Index ranges of the batch, read back from the device in one transfer."""
+    cu, start, ids, slots = batch.cu_seqlens, batch.start, batch.state_ids, batch.slots
+    ends = start.long() + cu.diff()
+    order = ids.sort().values
+    stats = [cu[0], cu[-1], cu.diff().min(), start.min(), start.max(), ends.max(), ids.min(), ids.max()]
+    stats += [
+        (order[1:] == order[:-1]).sum(),
+        slots.min() if n else cu[0] - 1,
+        slots.max() if n else cu[0] - 1,
+    ]
+    s = [int(v) for v in torch.stack([v.long() for v in stats]).tolist()]
+    if s[0] != 0 or s[1] != n or s[2] < 0:
+        raise ValueError(
+            f"cu_seqlens: must rise from 0 to N = {n} (first {s[0]}, last {s[1]}, smallest step {s[2]})"
+        )
+    if s[3] < 0 or s[5] > _MAX_NUMEL:
+        raise ValueError(f"start: range [{s[3]}, {s[4]}] must be >= 0 with every position below {_MAX_NUMEL}")
+    if states is None and s[4] != 0:
+        raise ValueError(f"start: {s[4]} needs a state (a stateless call starts every request at 0)")
+    rows = states.buffer_kv.shape[0] if states is not None else 1
+    if states is not None and (s[6] < 0 or s[7] >= rows or s[8]):
+        raise ValueError(
+            f"state_ids: range [{s[6]}, {s[7]}] with {s[8]} repeats must be distinct in [0, {rows})"
+        )
+    if s[9] < -1 or s[10] >= num_slots:
+        raise ValueError(f"slots: range [{s[9]}, {s[10]}] must lie in [-1, {num_slots}) (out rows)")
+
+
+def compress_ref(
+    kv: torch.Tensor,
+    gate: torch.Tensor | None,
+    batch: CompressBatch,
+    states: CompressorStates | None,
+    params: CompressorParams,
+    out: torch.Tensor,
+    out_scale: torch.Tensor | None = None,
+) -> None:
+    r, c = params.ratio, params.norm_weight.numel()
+    cu, starts, ids = batch.cu_seqlens.tolist(), batch.start.tolist(), batch.state_ids.tolist()
+    for i, start in enumerate(starts):
+        rows = slice(cu[i], cu[i + 1])
+        seq_kv = kv[rows].float()
+        seq_z = gate[rows].float() if gate is not None else torch.zeros_like(seq_kv)  # one slot: weight 1
+        held, sid = start % r, ids[i]
+        if states is not None:
+            seq_kv = torch.cat([states.buffer_kv[sid, :held], seq_kv])
+            seq_z = torch.cat([states.buffer_gate[sid, :held], seq_z])
+        first, windows = start // r, seq_kv.shape[0] // r
+        rest = windows * r
+        if states is not None:
+            states.buffer_kv[sid, : seq_kv.shape[0] - rest] = seq_kv[rest:]
+            states.buffer_gate[sid, : seq_kv.shape[0] - rest] = seq_z[rest:]
+        if windows == 0:  # nothing closes: the overlap slice stays
+            continue
+        win_kv = seq_kv[:rest].view(windows, r, -1)
+        win_z = seq_z[:rest].view(windows, r, -1)
+        if params.ape is not None:
+            win_z = win_z + params.ape
+        if params.overlap:
+            # Slots [Ca of window g-1 | Cb of window g]; before window 0 the Ca slots weigh 0.
+            prev_kv, prev_z = win_kv.new_zeros(1, r, c), win_z.new_full((1, r, c), float("-inf"))
+            if first > 0:
+                prev_kv, prev_z = states.overlap_kv[sid][None], states.overlap_gate[sid][None]
+            last_kv, last_z = win_kv[-1, :, :c].clone(), win_z[-1, :, :c].clone()
+            win_kv = torch.cat([torch.cat([prev_kv, win_kv[:-1, :, :c]]), win_kv[:, :, c:]], dim=1)
+            win_z = torch.cat([torch.cat([prev_z, win_z[:-1, :, :c]]), win_z[:, :, c:]], dim=1)
+            if states is not None:
+                states.overlap_kv[sid], states.overlap_gate[sid] = last_kv, last_z
+        entries = rms_norm_ref((win_kv * win_z.softmax(dim=1)).sum(dim=1), params.norm_weight, params.eps)
+        if params.inv_freq is not None:
+            positions = (first + torch.arange(windows, device=kv.device)) * r
+            entries = apply_rope_ref(entries, positions, params.inv_freq)
+        # Window first + w closes at the token of position (first + w + 1) * r - 1.
+        closing = cu[i] + (first + torch.arange(windows, device=kv.device) + 1) * r - 1 - start
+        slots = batch.slots[closing].long()
+        keep = slots >= 0
+        if out_scale is not None:
+            entries, scale = quantize_int8_ref(entries)
+            out_scale[slots[keep]] = scale[keep]
+        out[slots[keep]] = entries[keep].to(out.dtype)
+
+
+@triton.jit
+def _token_rows(
+    tok,
+    ok,
+    cols,
+    col_ok,
+    kv_ptr,
+    gate_ptr,
+    ape_ptr,
+    bkv_ptr,
+    bgate_ptr,
+    first_row,
+    start,
+    sid,
+    W,
+    R,
+    HAS_APE: tl.constexpr,
+):
+    """Raw kv and gate (plus ``ape``) of the tokens at positions ``tok`` and columns ``cols`` (2-D offsets).
+
+    A token at or after ``start`` is a new row; an earlier one of the open window is a buffered row.
+    Rows that are neither (or not ``ok``) read as 0.
+    """
+    open_start = start - start % R
+    new = (ok & (tok >= start))[:, None] & col_ok
+    held = (ok & (tok < start) & (tok >= open_start))[:, None] & col_ok
+    new_off = (first_row + tok - start)[:, None] * W + cols
+    held_off = (sid * (R - 1) + tok - open_start)[:, None] * W + cols
+    x = tl.load(kv_ptr + new_off, mask=new, other=0.0).to(tl.float32)
+    x += tl.load(bkv_ptr + held_off, mask=held, other=0.0)
+    z = tl.load(gate_ptr + new_off, mask=new, other=0.0).to(tl.float32)
+    z += tl.load(bgate_ptr + held_off, mask=held, other=0.0)
+    if HAS_APE:
+        z += tl.load(ape_ptr + (tok % R)[:, None] * W + cols, mask=new | held, other=0.0)
+    return x, z
+
+
+@triton.jit
+def _pool_window(
+    g,
+    first_row,
+    start,
+    sid,
+    kv_ptr,
+    gate_ptr,
+    ape_ptr,
+    bkv_ptr,
+    bgate_ptr,
+    okv_ptr,
+    ogate_ptr,
+    C,
+    W,
+    R,
+    OVERLAP: tl.constexpr,
+    HAS_APE: tl.constexpr,
+    CP: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    """Window g pooled per channel with the softmax of its gates, online over ``BLOCK_S`` slots at a time."""
+    c = tl.arange(0, CP)
+    c_ok = c < C
+    m = tl.full([CP], _NEG, tl.float32)
+    total = tl.zeros([CP], dtype=tl.float32)
+    acc = tl.zeros([CP], dtype=tl.float32)
+    n_slots = 2 * R if OVERLAP else R
+    for k0 in range(0, n_slots, BLOCK_S):
+        k = k0 + tl.arange(0, BLOCK_S)
+        if OVERLAP:  # slot k < R: Ca half of token (g-1)R + k; slot k >= R: Cb half of token gR + k - R
+            tok = (g - 1) * R + k
+            cols = tl.where(k >= R, C, 0)[:, None] + c[None, :]
+        else:
+            tok = g * R + k
+            cols = c[None, :]
+        live = (k < n_slots) & (tok >= 0)
+        x, z = _token_rows(
+            tok,
+            live,
+            cols,
+            c_ok[None, :],
+            kv_ptr,
+            gate_ptr,
+            ape_ptr,
+            bkv_ptr,
+            bgate_ptr,
+            first_row,
+            start,
+            sid,
+            W,
+            R,
+            HAS_APE,
+        )
+        if OVERLAP:  # the Ca half of the window closed before this call
+            prior = (live & (tok < start - start % R))[:, None] & c_ok[None, :]
+            off = (sid * R + k)[:, None] * C + c[None, :]
+            x += tl.load(okv_ptr + off, mask=prior, other=0.0)
+            z += tl.load(ogate_ptr + off, mask=prior, other=0.0)
+        z = tl.where(live[:, None], z, _NEG)
+        m_new = tl.maximum(m, tl.max(z, axis=0))
+        alpha = tl.exp(m - m_new)
+        e = tl.where(live[:, None], tl.exp(z - m_new[None, :]), 0.0)
+        total = total * alpha + tl.sum(e, axis=0)
+        acc = acc * alpha + tl.sum(e * x, axis=0)
+        m = m_new
+    return acc / total
+
+
+@triton.jit
+def _compress_kernel(
+    kv_ptr,
+    gate_ptr,
+    ape_ptr,
+    bkv_ptr,
+    bgate_ptr,
+    okv_ptr,
+    ogate_ptr,
+    norm_ptr,
+    freq_ptr,
+    req_ptr,
+    cu_ptr,
+    start_ptr,
+    sid_ptr,
+    slot_ptr,
+    out_ptr,
+    oscale_ptr,
+    N,
+    C,
+    W,
+    R,
+    P,
+    eps,
+    OVERLAP: tl.constexpr,
+    HAS_GATE: tl.constexpr,
+    HAS_APE: tl.constexpr,
+    ROPE: tl.constexpr,
+    QUANT: tl.constexpr,
+    CP: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    c = tl.arange(0, CP)
+    c_ok = c < C
+    weight = tl.load(norm_ptr + c, mask=c_ok, other=0.0)
+    for i in range(tl.program_id(0), N, tl.num_programs(0)):
+        req = tl.load(req_ptr + i)
+        start = tl.load(start_ptr + req)
+        first_row = tl.load(cu_ptr + req)
+        pos = start + i - first_row
+        slot = tl.load(slot_ptr + i)
+        if ((pos + 1) % R == 0) & (slot >= 0):  # token i closes window g
+            g = (pos + 1) // R - 1
+            if HAS_GATE:
+                pooled = _pool_window(
+                    g,
+                    first_row,
+                    start,
+                    tl.load(sid_ptr + req),
+                    kv_ptr,
+                    gate_ptr,
+                    ape_ptr,
+                    bkv_ptr,
+                    bgate_ptr,
+                    okv_ptr,
+                    ogate_ptr,
+                    C,
+                    W,
+                    R,
+                    OVERLAP,
+                    HAS_APE,
+                    CP,
+                    BLOCK_S,
+                )
+            else:  # ratio 1: the entry is the token's own kv, normed
+                pooled = tl.load(kv_ptr + i * W + c, mask=c_ok, other=0.0).to(tl.float32)
+            y = pooled * (1.0 / tl.sqrt(tl.sum(pooled * pooled, axis=0) / C + eps)) * weight
+            if ROPE:
+                rotated = rotate_rows(y[None, :], (g * R).to(tl.float32), freq_ptr, C - 2 * P, P, 1.0, CP)
+                y = tl.reshape(rotated, [CP])
+            if QUANT:  # as quant.quantize_int8: per-row scale, halves rounded away from zero
+                scale = tl.max(tl.abs(y), axis=0) / 127
+                y = y / tl.maximum(scale, _TINY)
+                r = tl.minimum((tl.abs(y) + 0.5).to(tl.int32), 127)
+                y = tl.where(y < 0, -r, r)
+                tl.store(oscale_ptr + slot, scale)
+            tl.store(out_ptr + slot * C + c, y.to(out_ptr.dtype.element_ty), mask=c_ok)
+
+
+@triton.jit
+def _compress_state_kernel(
+    kv_ptr,
+    gate_ptr,
+    ape_ptr,
+    bkv_ptr,
+    bgate_ptr,
+    okv_ptr,
+    ogate_ptr,
+    cu_ptr,
+    start_ptr,
+    sid_ptr,
+    n_req,
+    C,
+    W,
+    R,
+    OVERLAP: tl.constexpr,
+    HAS_APE: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    col_blocks = tl.cdiv(W, BLOCK_C)
+    for task in range(tl.program_id(0), n_req * col_blocks, tl.num_programs(0)):
+        req = task // col_blocks
+        cols = (task % col_blocks) * BLOCK_C + tl.arange(0, BLOCK_C)
+        first_row = tl.load(cu_ptr + req)
+        start = tl.load(start_ptr + req)
+        sid = tl.load(sid_ptr + req)
+        end = start + tl.load(cu_ptr + req + 1) - first_row
+        new_open = end - end % R
+        if OVERLAP:
+            if new_open > start - start % R:  # a window closed: keep the Ca half of the last one
+                ca = cols < C
+                for k0 in range(0, R, BLOCK_S):
+                    k = k0 + tl.arange(0, BLOCK_S)
+                    x, z = _token_rows(
+                        new_open - R + k,
+                        k < R,
+                        cols[None, :],
+                        ca[None, :],
+                        kv_ptr,
+                        gate_ptr,
+                        ape_ptr,
+                        bkv_ptr,
+                        bgate_ptr,
+                        first_row,
+                        start,
+                        sid,
+                        W,
+                        R,
+                        HAS_APE,
+                    )
+                    off = (sid * R + k)[:, None] * C + cols[None, :]
+                    mask = (k < R)[:, None] & ca[None, :]
+                    tl.store(okv_ptr + off, x, mask=mask)
+                    tl.store(ogate_ptr + off, z, mask=mask)
+            tl.debug_barrier()  # the buffer rows just read are overwritten below
+        # Rows of tokens buffered before this call stay where they are.
+        first_new = tl.maximum(start, new_open) - new_open
+        for s0 in range(first_new, end - new_open, BLOCK_S):
+            s = s0 + tl.arange(0, BLOCK_S)
+            mask = (s < end - new_open)[:, None] & (cols < W)[None, :]
+            src = (first_row + new_open + s - start)[:, None] * W + cols[None, :]
+            dst = (sid * (R - 1) + s)[:, None] * W + cols[None, :]
+            tl.store(bkv_ptr + dst, tl.load(kv_ptr + src, mask=mask).to(tl.float32), mask=mask)
+            tl.store(bgate_ptr + dst, tl.load(gate_ptr + src, mask=mask).to(tl.float32), mask=mask)
+
+
+def compress_triton(
+    kv: torch.Tensor,
+    gate: torch.Tensor | None,
+    batch: CompressBatch,
+    states: CompressorStates | None,
+    params: CompressorParams,
+    out: torch.Tensor,
+    out_scale: torch.Tensor | None = None,
+) -> None:
+    n, width = kv.shape
+    reqs = batch.start.shape[0]
+    if n == 0:
+        return
+    r, c = params.ratio, params.norm_weight.numel()
+    kv = kv.contiguous()
+    dummy = params.norm_weight  # stands in for every pointer a variant never reads
+    gate = kv if gate is None else gate.contiguous()
+    ape = dummy if params.ape is None else params.ape.contiguous()
+    bkv, bgate, okv, ogate = (
+        (dummy if x is None else x for x in vars(states).values()) if states else [dummy] * 4
+    )
+    # states is None only with every start 0: no buffered row is ever read, state row 0 stands in.
+    sid = batch.state_ids if states is not None else torch.zeros_like(batch.start)
+    lengths = batch.cu_seqlens.diff()
+    request = torch.repeat_interleave(
+        torch.arange(reqs, dtype=torch.int32, device=kv.device), lengths, output_size=n
+    )
+    freq = dummy if params.inv_freq is None else params.inv_freq.contiguous()
+    p = 0 if params.inv_freq is None else params.inv_freq.numel()
+    _compress_tuned[lambda meta: runtime.grid(KERNELS[0], n)](
+        kv,
+        gate,
+        ape,
+        bkv,
+        bgate,
+        okv,
+        ogate,
+        params.norm_weight.contiguous(),
+        freq,
+        request,
+        batch.cu_seqlens,
+        batch.start,
+        sid,
+        batch.slots,
+        out,
+        dummy if out_scale is None else out_scale,
+        n,
+        c,
+        width,
+        r,
+        p,
+        params.eps,
+        OVERLAP=params.overlap,
+        HAS_GATE=r > 1,
+        HAS_APE=params.ape is not None,
+        ROPE=p > 0,
+        QUANT=out.dtype == torch.int8,
+        CP=triton.next_power_of_2(c),
+    )
+    if states is None or r == 1:
+        return
+    _state_tuned[lambda meta: runtime.grid(KERNELS[-1], reqs * triton.cdiv(width, meta["BLOCK_C"]))](
+        kv,
+        gate,
+        ape,
+        bkv,
+        bgate,
+        okv,
+        ogate,
+        batch.cu_seqlens,
+        batch.start,
+        sid,
+        reqs,
+        c,
+        width,
+        r,
+        OVERLAP=params.overlap,
+        HAS_APE=params.ape is not None,
+    )
+
+
+# Footprints at c = 512 with overlap (W = 1024): about nine [BLOCK_S, CP] tiles live in the slot loop
+# (offsets, masks, kv and gate as loaded and summed, the exponentials and their product with kv) and a
+# dozen [CP] rows (running max, sum and accumulator, weight, the normed row and its rotation).
+_CP = 512
+
+
+def _compress_ub(block_s: int) -> int:
+    return 4 * (9 * block_s * _CP + 12 * _CP)
+
+
+# The state kernel moves [BLOCK_S, BLOCK_C] tiles: the new and buffered rows' offsets and masks, kv and
+# gate as loaded and summed, ape and the store offsets.
+def _state_ub(block_s: int, block_c: int) -> int:
+    return 4 * 10 * block_s * block_c
+
+
+_COMPRESS_CONFIGS = (
+    TuneConfig({"BLOCK_S": 4}, _compress_ub(4)),
+    TuneConfig({"BLOCK_S": 8}, _compress_ub(8), multibuffer=False),
+)
+_STATE_CONFIGS = tuple(
+    TuneConfig({"BLOCK_S": bs, "BLOCK_C": bc}, _state_ub(bs, bc)) for bs, bc in ((4, 512), (16, 128))
+)
+_compress_tuned = runtime.autotune(_COMPRESS_CONFIGS, key=["C", "W", "R"])(_compress_kernel)
+_state_tuned = runtime.autotune(_STATE_CONFIGS, key=["W", "R"])(_compress_state_kernel)
+
+
+def _compress_signature(x: str, out: str) -> dict[str, str]:
+    return {
+        **dict.fromkeys(("kv_ptr", "gate_ptr"), x),
+        **dict.fromkeys(
+            ("ape_ptr", "bkv_ptr", "bgate_ptr", "okv_ptr", "ogate_ptr", "norm_ptr", "freq_ptr"), "*fp32"
+        ),
+        **dict.fromkeys(("req_ptr", "cu_ptr", "start_ptr", "sid_ptr", "slot_ptr"), "*i32"),
+        "out_ptr": out,
+        "oscale_ptr": "*fp32",
+        **dict.fromkeys(("N", "C", "W", "R", "P"), "i32"),
+        "eps": "fp32",
+    }
+
+
+def _state_signature(x: str) -> dict[str, str]:
+    return {
+        **dict.fromkeys(("kv_ptr", "gate_ptr"), x),
+        **dict.fromkeys(("ape_ptr", "bkv_ptr", "bgate_ptr", "okv_ptr", "ogate_ptr"), "*fp32"),
+        **dict.fromkeys(("cu_ptr", "start_ptr", "sid_ptr"), "*i32"),
+        **dict.fromkeys(("n_req", "C", "W", "R"), "i32"),
+    }
+
+
+# The model's compressors: V4 CSA (overlap, also the indexer's at c = 128) and HCA, V4.1 ratio 2 and 1.
+_VARIANTS = (
+    {"OVERLAP": 1, "HAS_GATE": 1, "HAS_APE": 1, "ROPE": 1, "CP": 512},
+    {"OVERLAP": 1, "HAS_GATE": 1, "HAS_APE": 1, "ROPE": 1, "CP": 128},
+    {"OVERLAP": 0, "HAS_GATE": 1, "HAS_APE": 1, "ROPE": 1, "CP": 512},
+    {"OVERLAP": 0, "HAS_GATE": 1, "HAS_APE": 0, "ROPE": 0, "CP": 512},
+    {"OVERLAP": 0, "HAS_GATE": 0, "HAS_APE": 0, "ROPE": 0, "CP": 512},
+)
+
+KERNELS: tuple[KernelSpec, ...] = (
+    *(
+        KernelSpec(
+            _compress_kernel,
+            signatures=tuple(_compress_signature(x, out) for x, out in pairs),
+            configs=_COMPRESS_CONFIGS,
+            constexprs={**variant, "QUANT": quant},
+        )
+        for variant in _VARIANTS
+        for quant, pairs in (
+            (0, (("*fp32", "*fp32"), ("*bf16", "*bf16"))),
+            (1, (("*fp32", "*i8"), ("*bf16", "*i8"))),
+        )
+    ),
+    *(
+        KernelSpec(
+            _compress_state_kernel,
+            signatures=(_state_signature("*fp32"), _state_signature("*bf16")),
+            configs=_STATE_CONFIGS,
+            constexprs={"OVERLAP": overlap, "HAS_APE": ape},
+        )
+        for overlap, ape in ((1, 1), (0, 1), (0, 0))
+    ),
+)
