@@ -8,11 +8,10 @@ attention kernel.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
+from model.cache import Batch
 from model.compressor import Compressor, CompressorState
 from model.config import ModelConfig
 from model.layers import RMSNorm, linear
@@ -24,26 +23,18 @@ from triton_kernels.rope import apply_rope
 from triton_kernels.sparse_attn import KVPool, sparse_attention
 
 
-@dataclass
-class AttentionState:
-    """Per-request state of one layer across calls."""
-
-    window: torch.Tensor  # [<= W-1, d]: keys of the latest positions, oldest first
-    compressor: CompressorState | None = None
-    indexer: CompressorState | None = None  # V4 CSA: the indexer's own compressor
-    index_keys: torch.Tensor | None = None  # V4.1 Full: index keys of every entry so far, [E, d_I]
-
-
-@dataclass(frozen=True)
-class Positions:
-    """Positions of the tokens of one call; ``start`` is the count of earlier tokens."""
-
-    start: int
-    values: torch.Tensor  # [S] int64, start .. start+S-1
-
-    def visible_entries(self, ratio: int) -> torch.Tensor:
-        """Compressed entry g is visible at position t iff g < floor((t+1)/ratio)."""
-        return (self.values + 1) // ratio
+def compress_requests(
+    compressor: Compressor,
+    x: torch.Tensor,
+    batch: Batch,
+    states: list[CompressorState],
+    inv_freq: torch.Tensor | None,
+) -> list[tuple[torch.Tensor, int]]:
+    """Each request's new entries (rotated when ``inv_freq`` is given) and the number of its first one."""
+    return [
+        compressor.pool(x[lo:hi], state, inv_freq)
+        for (lo, hi), state in zip(batch.bounds, states, strict=True)
+    ]
 
 
 class Indexer(nn.Module):
@@ -55,6 +46,7 @@ class Indexer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, plan: LayerPlan):
         super().__init__()
+        self.plan = plan
         self.heads, self.dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
         self.wq_b = linear(cfg.q_lora_rank, self.heads * self.dim)
         self.weights_proj = linear(cfg.hidden_size, self.heads)
@@ -63,48 +55,40 @@ class Indexer(nn.Module):
         )
         self.int8 = False
 
+    def compress(self, x: torch.Tensor, batch: Batch, inv_freq: torch.Tensor) -> None:
+        """Store the index keys of the groups ``x`` closes in the layer's key pool."""
+        layer, pool = self.plan.index, batch.pools.index_keys[self.plan.index]
+        states = [seq.indexers.setdefault(layer, self.compressor.new_state(x.device)) for seq in batch.seqs]
+        for b, (keys, first) in enumerate(compress_requests(self.compressor, x, batch, states, inv_freq)):
+            batch.store(pool, self.plan.compress_ratio, b, first, keys)
+
     def _operands(
-        self,
-        x: torch.Tensor,
-        q_r: torch.Tensor,
-        pos: Positions,
-        inv_freq: torch.Tensor,
-        state: CompressorState | None,
+        self, x: torch.Tensor, q_r: torch.Tensor, batch: Batch, inv_freq: torch.Tensor
     ) -> tuple[IndexQueries, KeyPool]:
-        """The call's queries, one request, against its entries ``[E, d_I]`` as a pool (entry j = slot j)."""
-        keys = self.compressor(x, inv_freq, state)
-        q = apply_rope(self.wq_b(q_r).view(-1, self.heads, self.dim), pos.values, inv_freq)
+        q = apply_rope(self.wq_b(q_r).view(-1, self.heads, self.dim), batch.positions, inv_freq)
         # The score's d_I^-1/2 and the weights' H^-1/2 are both folded into the head weights.
         weights = self.weights_proj(x).float() * (self.heads * self.dim) ** -0.5
-        request = torch.zeros(q.shape[0], dtype=torch.int32, device=x.device)
-        visible = pos.visible_entries(self.compressor.ratio).to(torch.int32)
+        visible = batch.visible(self.plan.compress_ratio).to(torch.int32)
+        keys, table, per_block = batch.key_pool(self.plan.index, self.plan.compress_ratio)
         if self.int8:
             (q, q_scale), (keys, k_scale) = quantize_int8(q), quantize_int8(keys)
-            return IndexQueries(q, weights, request, visible, q_scale), KeyPool.dense(keys, k_scale)
-        return IndexQueries(q, weights, request, visible), KeyPool.dense(keys)
+            return IndexQueries(q, weights, batch.request, visible, q_scale), KeyPool(
+                keys, table, per_block, k_scale
+            )
+        return IndexQueries(q, weights, batch.request, visible), KeyPool(keys, table, per_block)
 
     def scores(
-        self,
-        x: torch.Tensor,
-        q_r: torch.Tensor,
-        pos: Positions,
-        inv_freq: torch.Tensor,
-        state: CompressorState | None,
+        self, x: torch.Tensor, q_r: torch.Tensor, batch: Batch, inv_freq: torch.Tensor
     ) -> torch.Tensor:
-        """``S(t, j) = Σ_h w_h·ReLU(q_h·K_j)``, ``-inf`` where entry j is not visible: ``[S, E]``."""
-        return indexer_logits(*self._operands(x, q_r, pos, inv_freq, state))
+        """``S(t, j) = Σ_h w_h·ReLU(q_h·K_j)`` over entry numbers j, ``-inf`` if not visible: ``[T, E]``."""
+        return indexer_logits(*self._operands(x, q_r, batch, inv_freq))
 
     def forward(
-        self,
-        x: torch.Tensor,
-        q_r: torch.Tensor,
-        pos: Positions,
-        inv_freq: torch.Tensor,
-        state: CompressorState | None,
+        self, x: torch.Tensor, q_r: torch.Tensor, batch: Batch, inv_freq: torch.Tensor
     ) -> torch.Tensor:
-        """Indices of the top-k visible entries per query (ascending), ``-1`` if unreachable: ``[S, k]``."""
-        queries, pool = self._operands(x, q_r, pos, inv_freq, state)
-        return indexer_topk(queries, pool, min(self.topk, pool.capacity))
+        """Entry numbers of each token's top-k visible entries, ascending, -1 if unreachable: ``[T, k]``."""
+        queries, pool = self._operands(x, q_r, batch, inv_freq)
+        return indexer_topk(queries, pool, min(self.topk, batch.max_entries(self.plan.compress_ratio)))
 
 
 class SharedKVAttention(nn.Module):
@@ -115,7 +99,7 @@ class SharedKVAttention(nn.Module):
         super().__init__()
         self.plan, self.head_norm = plan, head_norm
         self.heads, self.head_dim, self.groups = cfg.num_attention_heads, cfg.head_dim, cfg.o_groups
-        self.window, self.eps = cfg.sliding_window, cfg.rms_norm_eps
+        self.eps = cfg.rms_norm_eps
         self.wq_a = linear(cfg.hidden_size, cfg.q_lora_rank)
         self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
         self.wq_b = linear(cfg.q_lora_rank, self.heads * self.head_dim)
@@ -126,39 +110,28 @@ class SharedKVAttention(nn.Module):
         self.attn_sink = nn.Parameter(torch.empty(self.heads))
 
     def project(
-        self, x: torch.Tensor, pos: Positions, inv_freq: torch.Tensor
+        self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``q_r [S, q_r]`` (also the indexer's input), rotated queries ``[S, H, d]`` and keys ``[S, d]``."""
+        """``q_r [T, q_r]`` (also the indexer's input), rotated queries ``[T, H, d]`` and keys ``[T, d]``."""
         q_r = self.q_norm(self.wq_a(x))
         q = self.wq_b(q_r).view(x.shape[0], self.heads, self.head_dim)
         if self.head_norm:
             q = rms_norm(q, None, self.eps)
-        q = apply_rope(q, pos.values, inv_freq)
-        return q_r, q, apply_rope(self.kv_norm(self.wkv(x)), pos.values, inv_freq)
+        q = apply_rope(q, positions, inv_freq)
+        return q_r, q, apply_rope(self.kv_norm(self.wkv(x)), positions, inv_freq)
 
-    def window_pool(
-        self, kv: torch.Tensor, state: AttentionState | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The pool of earlier window keys plus ``kv``, and each query's W newest positions in it."""
-        past = state.window if state is not None else kv.new_zeros(0, self.head_dim)
-        pool = torch.cat([past, kv])
-        if state is not None:
-            state.window = pool[max(0, pool.shape[0] - (self.window - 1)) :]
-        offsets = past.shape[0] + torch.arange(kv.shape[0], device=kv.device)[:, None]
-        offsets = offsets - torch.arange(self.window, device=kv.device)
-        return pool, offsets.masked_fill(offsets < 0, -1)
+    def window_keys(self, kv: torch.Tensor, batch: Batch) -> KVPool:
+        """Store the tokens' window keys; each token reads the W newest positions of its request."""
+        pool = batch.pools.window[self.plan.index]
+        pool[batch.window_write] = kv.to(pool.dtype)
+        return KVPool(pool, batch.window_read)
 
     def output(
-        self,
-        q: torch.Tensor,
-        pools: list[tuple[torch.Tensor, torch.Tensor]],
-        pos: Positions,
-        inv_freq: torch.Tensor,
+        self, q: torch.Tensor, pools: list[KVPool], positions: torch.Tensor, inv_freq: torch.Tensor
     ) -> torch.Tensor:
         # Values carry rope: the output is de-rotated at the query position (fused into the op).
-        kv_pools = [KVPool(kv, idx) for kv, idx in pools]
-        scale = self.head_dim**-0.5
-        out, _ = sparse_attention(q, kv_pools, self.attn_sink.float(), scale, pos.values, inv_freq)
+        sink, scale = self.attn_sink.float(), self.head_dim**-0.5
+        out, _ = sparse_attention(q, pools, sink, scale, positions, inv_freq)
         # Group g of H/G heads is projected by row block g of wo_a only.
         grouped = out.reshape(out.shape[0], self.groups, -1)
         weight = self.wo_a.weight.view(self.groups, -1, grouped.shape[-1])
@@ -175,27 +148,24 @@ class V4Attention(SharedKVAttention):
         if plan.has_indexer:
             self.indexer = Indexer(cfg, plan)
 
-    def new_state(self, device: torch.device) -> AttentionState:
-        state = AttentionState(window=torch.zeros(0, self.head_dim, device=device))
-        if self.plan.has_compressor:
-            state.compressor = self.compressor.new_state(device)
-        if self.plan.has_indexer:
-            state.indexer = self.indexer.compressor.new_state(device)
-        return state
-
-    def forward(
-        self, x: torch.Tensor, pos: Positions, inv_freq: torch.Tensor, state: AttentionState | None
-    ) -> torch.Tensor:
-        q_r, q, kv = self.project(x, pos, inv_freq)
-        pools = [self.window_pool(kv, state)]
-        if self.plan.has_compressor:
-            entries = self.compressor(x, inv_freq, state.compressor if state is not None else None)
-            if self.plan.has_indexer:
-                picked = self.indexer(x, q_r, pos, inv_freq, state.indexer if state is not None else None)
-            else:
-                picked = torch.arange(entries.shape[0], device=x.device).expand(x.shape[0], -1)
-                picked = picked.masked_fill(
-                    picked >= pos.visible_entries(self.plan.compress_ratio)[:, None], -1
-                )
-            pools.append((entries, picked))
-        return self.output(q, pools, pos, inv_freq)
+    def forward(self, x: torch.Tensor, batch: Batch, inv_freq: torch.Tensor) -> torch.Tensor:
+        plan = self.plan
+        q_r, q, kv = self.project(x, batch.positions, inv_freq)
+        pools = [self.window_keys(kv, batch)]
+        if plan.has_compressor:
+            pool, ratio = batch.pools.entries[plan.index], plan.compress_ratio
+            states = [
+                seq.compressors.setdefault(plan.index, self.compressor.new_state(x.device))
+                for seq in batch.seqs
+            ]
+            for b, (entries, first) in enumerate(
+                compress_requests(self.compressor, x, batch, states, inv_freq)
+            ):
+                batch.store(pool, ratio, b, first, entries)
+            if plan.has_indexer:
+                self.indexer.compress(x, batch, inv_freq)
+                numbers = self.indexer(x, q_r, batch, inv_freq)
+            else:  # HCA: every visible entry
+                numbers = batch.every_visible_entry(ratio)
+            pools.append(KVPool(pool, batch.entry_slots(ratio, numbers)))
+        return self.output(q, pools, batch.positions, inv_freq)

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from model.attention import AttentionState, Positions, SharedKVAttention
+from model.attention import SharedKVAttention, compress_requests
+from model.cache import Batch
 from model.compressor import Compressor
 from model.config import ModelConfig
 from model.layers import RMSNorm, linear
@@ -27,16 +28,16 @@ from triton_kernels.indexer import (
     indexer_topk_in_candidates,
 )
 from triton_kernels.rope import apply_rope
+from triton_kernels.sparse_attn import KVPool
 
 
 @dataclass
 class Published:
-    """What source layers publish to the layers above them during one forward call."""
+    """What index sources publish to the layers above them during one call (KV sources publish
+    through their pools, which every layer reads by slot)."""
 
-    kv: dict[int, torch.Tensor] = field(default_factory=dict)  # KV source -> every entry [E, d]
-    index_keys: dict[int, torch.Tensor] = field(default_factory=dict)  # KV source -> [E, d_I]
-    topk: dict[int, torch.Tensor] = field(default_factory=dict)  # index source -> [S, k], -1 invalid
-    candidates: torch.Tensor | None = None  # [S, candidate_topk_blocks] kept block ids, -1 padded
+    topk: dict[int, torch.Tensor] = field(default_factory=dict)  # index source -> [T, k] entry numbers, -1
+    candidates: torch.Tensor | None = None  # [T, candidate_topk_blocks] kept block ids, -1 padded
 
 
 class Indexer41(nn.Module):
@@ -54,26 +55,25 @@ class Indexer41(nn.Module):
         return apply_rope(self.k_norm(self.wk(latent)), positions, inv_freq)
 
     def queries(
-        self, x: torch.Tensor, q_r: torch.Tensor, pos: Positions, inv_freq: torch.Tensor
+        self, x: torch.Tensor, q_r: torch.Tensor, batch: Batch, inv_freq: torch.Tensor
     ) -> IndexQueries:
-        """This layer's indexer queries for one request (the score's scales folded into the weights)."""
-        q = apply_rope(self.wq_b(q_r).view(-1, self.heads, self.dim), pos.values, inv_freq)
+        """This layer's indexer queries (the score's scales folded into the weights)."""
+        q = apply_rope(self.wq_b(q_r).view(-1, self.heads, self.dim), batch.positions, inv_freq)
         weights = self.weights_proj(x).float() * (self.dim * self.heads) ** -0.5
-        request = torch.zeros(q.shape[0], dtype=torch.int32, device=x.device)
-        return IndexQueries(
-            q, weights, request, pos.visible_entries(self.plan.compress_ratio).to(torch.int32)
-        )
+        visible = batch.visible(self.plan.compress_ratio).to(torch.int32)
+        return IndexQueries(q, weights, batch.request, visible)
 
-    def select(self, queries: IndexQueries, keys: torch.Tensor, published: Published) -> torch.Tensor:
-        """Top-k of one index source, two-level where planned: ``[S, min(index_topk, E)]``, ascending."""
-        cfg, pool = self.cfg, KeyPool.dense(keys)
-        k = min(cfg.index_topk, pool.capacity)
-        if self.plan.candidates is Candidates.SOURCE:
+    def select(self, queries: IndexQueries, batch: Batch, published: Published) -> torch.Tensor:
+        """Top-k entry numbers of one index source, two-level where planned: ``[T, k]``, ascending."""
+        cfg, plan = self.cfg, self.plan
+        pool = KeyPool(*batch.key_pool(plan.kv_source, plan.compress_ratio))
+        k = min(cfg.index_topk, batch.max_entries(plan.compress_ratio))
+        if plan.candidates is Candidates.SOURCE:
             picked, published.candidates = indexer_topk_and_candidates(
                 queries, pool, k, cfg.candidate_block_size, cfg.candidate_topk_blocks
             )
             return picked
-        if self.plan.candidates is Candidates.CONSUMER:
+        if plan.candidates is Candidates.CONSUMER:
             return indexer_topk_in_candidates(
                 queries, pool, k, published.candidates, cfg.candidate_block_size
             )
@@ -90,45 +90,40 @@ class V41Attention(SharedKVAttention):
         if plan.has_indexer:
             self.indexer = Indexer41(cfg, plan)
 
-    def new_state(self, device: torch.device) -> AttentionState:
-        state = AttentionState(window=torch.zeros(0, self.head_dim, device=device))
-        if self.plan.has_compressor:
-            state.compressor = self.compressor.new_state(device)
-            state.index_keys = torch.zeros(0, self.indexer.dim, device=device)
-        return state
-
     def forward(
-        self,
-        x: torch.Tensor,
-        pos: Positions,
-        inv_freq: torch.Tensor,
-        state: AttentionState | None,
-        published: Published,
+        self, x: torch.Tensor, batch: Batch, inv_freq: torch.Tensor, published: Published
     ) -> torch.Tensor:
-        q_r, q, kv = self.project(x, pos, inv_freq)
-        pools = [self.window_pool(kv, state)]
         plan = self.plan
+        q_r, q, kv = self.project(x, batch.positions, inv_freq)
+        pools = [self.window_keys(kv, batch)]
         if plan.attention is Kind.SLIDING:
-            return self.output(q, pools, pos, inv_freq)
+            return self.output(q, pools, batch.positions, inv_freq)
         if plan.has_compressor:
-            self._publish_entries(x, inv_freq, state, published)
+            self._publish_entries(x, batch, inv_freq)
         if plan.has_indexer:
-            queries = self.indexer.queries(x, q_r, pos, inv_freq)
-            published.topk[plan.index] = self.indexer.select(
-                queries, published.index_keys[plan.kv_source], published
-            )
-        pools.append((published.kv[plan.kv_source], published.topk[plan.index_source]))
-        return self.output(q, pools, pos, inv_freq)
+            queries = self.indexer.queries(x, q_r, batch, inv_freq)
+            published.topk[plan.index] = self.indexer.select(queries, batch, published)
+        numbers = published.topk[plan.index_source]
+        pools.append(
+            KVPool(batch.pools.entries[plan.kv_source], batch.entry_slots(plan.compress_ratio, numbers))
+        )
+        return self.output(q, pools, batch.positions, inv_freq)
 
-    def _publish_entries(
-        self, x: torch.Tensor, inv_freq: torch.Tensor, state: AttentionState | None, published: Published
-    ) -> None:
-        """Compress ``x`` and publish every entry so far: rotated latents and their index keys."""
-        latent, first = self.compressor.pool(x, state.compressor if state is not None else None)
-        positions = (first + torch.arange(latent.shape[0], device=x.device)) * self.plan.compress_ratio
-        entries = apply_rope(latent, positions, inv_freq)
-        keys = self.indexer.keys(latent, positions, inv_freq)
-        if state is not None:
-            state.compressor.entries = entries = torch.cat([state.compressor.entries, entries])
-            state.index_keys = keys = torch.cat([state.index_keys, keys])
-        published.kv[self.plan.index], published.index_keys[self.plan.index] = entries, keys
+    def _publish_entries(self, x: torch.Tensor, batch: Batch, inv_freq: torch.Tensor) -> None:
+        """Compress ``x`` and store each new entry: the rotated latent and its index key."""
+        plan, ratio = self.plan, self.plan.compress_ratio
+        states = [
+            seq.compressors.setdefault(plan.index, self.compressor.new_state(x.device)) for seq in batch.seqs
+        ]
+        for b, (latent, first) in enumerate(compress_requests(self.compressor, x, batch, states, None)):
+            positions = (first + torch.arange(latent.shape[0], device=x.device)) * ratio
+            batch.store(
+                batch.pools.entries[plan.index], ratio, b, first, apply_rope(latent, positions, inv_freq)
+            )
+            batch.store(
+                batch.pools.index_keys[plan.index],
+                ratio,
+                b,
+                first,
+                self.indexer.keys(latent, positions, inv_freq),
+            )

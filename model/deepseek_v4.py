@@ -7,25 +7,17 @@ the tensors a checkpoint holds (``layers.N.attn.wq_a.weight``, ``mtp.0.e_proj.we
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from model.attention import AttentionState, Positions, V4Attention
+from model.attention import V4Attention
 from model.block import MhcBlock
+from model.cache import Batch, SequenceState
 from model.config import ModelConfig
 from model.layers import RMSNorm, RopeFrequencies, check_token_ids, linear
 from model.plan import LayerPlan, build_plan
 from triton_kernels.mhc import hc_collapse, hc_head_coeffs, hc_update
-
-
-@dataclass
-class SequenceState:
-    """Incremental state of one request: tokens seen and each layer's attention state."""
-
-    num_tokens: int
-    layers: list[AttentionState]
 
 
 class Block(MhcBlock):
@@ -35,16 +27,11 @@ class Block(MhcBlock):
         super().__init__(cfg, plan, V4Attention(cfg, plan))
 
     def forward(
-        self,
-        x: torch.Tensor,
-        ids: torch.Tensor,
-        pos: Positions,
-        inv_freq: torch.Tensor,
-        state: AttentionState | None,
+        self, x: torch.Tensor, ids: torch.Tensor, batch: Batch, inv_freq: torch.Tensor
     ) -> torch.Tensor:
-        """``x [S, n, D]`` streams in and out."""
+        """``x [T, n, D]`` streams in and out."""
         pre, post, comb = self.coeffs(x, "attn")
-        a = self.attn(self.attn_norm(hc_collapse(x, pre)), pos, inv_freq, state)
+        a = self.attn(self.attn_norm(hc_collapse(x, pre)), batch, inv_freq)
         x = hc_update(x, a, post, comb)
         pre, post, comb = self.coeffs(x, "ffn")
         f = self.ffn(self.ffn_norm(hc_collapse(x, pre)), ids)
@@ -95,16 +82,15 @@ class MtpLayer(Block):
         self,
         streams: torch.Tensor,
         next_ids: torch.Tensor,
-        pos: Positions,
+        batch: Batch,
         inv_freq: torch.Tensor,
-        state: AttentionState | None,
         embed: nn.Embedding,
         head: nn.Linear,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits ``[S, V]`` for the tokens after ``next_ids``, and the output streams (to chain drafts)."""
         e = self.e_proj(self.enorm(embed(next_ids)))
         x = self.h_proj(self.hnorm(streams)) + e[:, None, :]
-        x = self.forward(x, next_ids, pos, inv_freq, state)
+        x = self.forward(x, next_ids, batch, inv_freq)
         return head(self.norm(self.hc_head.collapse(x))).float(), x
 
 
@@ -134,8 +120,8 @@ class DeepseekV4(nn.Module):
         self.load_state_dict({_internal(name): t for name, t in tensors.items()}, strict=True)
 
     def new_state(self) -> SequenceState:
-        device = self.embed.weight.device
-        return SequenceState(0, [layer.attn.new_state(device) for layer in self.layers])
+        """A request served by the model alone (its KV in a private store)."""
+        return SequenceState.new(self.cfg, self.embed.weight.dtype, self.embed.weight.device)
 
     def hidden_streams(self, ids: torch.Tensor, state: SequenceState | None = None) -> torch.Tensor:
         """Backbone streams before ``hc_head`` (the MTP input): ``[S, n, D]``.
@@ -144,13 +130,15 @@ class DeepseekV4(nn.Module):
         ``ids`` continues the request and the state advances.
         """
         check_token_ids(ids, self.cfg.vocab_size)
-        start = state.num_tokens if state is not None else 0
-        pos = Positions(start, torch.arange(start, start + ids.shape[0], device=ids.device))
+        state = state or self.new_state()
+        return self.batch_streams(ids, state.batch(ids.shape[0], ids.device))
+
+    def batch_streams(self, ids: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """Streams of the flat tokens of several requests (``batch`` says whose and where their KV is)."""
         x = self.embed(ids)[:, None, :].expand(-1, self.cfg.hc_mult, -1).contiguous()
-        for i, layer in enumerate(self.layers):
-            x = layer(x, ids, pos, self.rope(layer.plan.rope), state.layers[i] if state is not None else None)
-        if state is not None:
-            state.num_tokens += ids.shape[0]
+        for layer in self.layers:
+            x = layer(x, ids, batch, self.rope(layer.plan.rope))
+        batch.advance()
         return x
 
     def logits(self, streams: torch.Tensor) -> torch.Tensor:

@@ -13,24 +13,15 @@ import numpy as np
 import torch
 from torch import nn
 
-from model.attention import AttentionState, Positions
 from model.attention_v41 import Published, V41Attention
 from model.block import MhcBlock, one_hot_premix
+from model.cache import Batch, SequenceState
 from model.config import ModelConfig
 from model.dspark import DSpark
 from model.engram import Engram, EngramConfig, EngramHasher
 from model.layers import RMSNorm, RopeFrequencies, check_token_ids, linear
 from model.plan import LayerPlan, build_plan
 from triton_kernels.mhc import hc_collapse, hc_update
-
-
-@dataclass
-class SequenceState41:
-    """Incremental state of one request."""
-
-    num_tokens: int
-    layers: list[AttentionState]
-    engram_history: torch.Tensor  # the last engram_max_ngram_size - 1 compressed ids
 
 
 @dataclass
@@ -52,14 +43,13 @@ class Block41(MhcBlock):
         x: torch.Tensor,
         carry: torch.Tensor,
         ids: torch.Tensor,
-        pos: Positions,
+        batch: Batch,
         inv_freq: torch.Tensor,
-        state: AttentionState | None,
         published: Published,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Streams ``x [S, n, D]`` and the carried pre-mix ``[S, n]`` in; both updated out."""
         attn_pre, post, comb = self.coeffs(x, "attn")
-        a = self.attn(self.attn_norm(hc_collapse(x, carry)), pos, inv_freq, state, published)
+        a = self.attn(self.attn_norm(hc_collapse(x, carry)), batch, inv_freq, published)
         x = hc_update(x, a, post, comb)
         ffn_pre, post, comb = self.coeffs(x, "ffn")
         f = self.ffn(self.ffn_norm(hc_collapse(x, attn_pre)), ids)
@@ -99,27 +89,20 @@ class DeepseekV41(nn.Module):
     def load_official(self, tensors: dict[str, torch.Tensor]) -> None:
         self.load_state_dict(tensors, strict=True)
 
-    def new_state(self) -> SequenceState41:
-        device = self.embed.weight.device
-        history = torch.zeros(0, dtype=torch.int64, device=device)
-        return SequenceState41(0, [layer.attn.new_state(device) for layer in self.layers], history)
+    def new_state(self) -> SequenceState:
+        """A request served by the model alone (its KV in a private store)."""
+        return SequenceState.new(self.cfg, self.embed.weight.dtype, self.embed.weight.device)
 
-    def run(self, ids: torch.Tensor, state: SequenceState41 | None = None) -> Forward41:
+    def run(self, ids: torch.Tensor, state: SequenceState | None = None) -> Forward41:
         """The backbone over ``ids [S]``: from position 0 without a state, continuing it with one."""
         check_token_ids(ids, self.cfg.vocab_size)
+        state = state or self.new_state()
+        return self.run_batch(ids, state.batch(ids.shape[0], ids.device))
+
+    def run_batch(self, ids: torch.Tensor, batch: Batch) -> Forward41:
+        """The backbone over the flat tokens of several requests (``batch``: whose, and where their KV is)."""
         cfg, device = self.cfg, ids.device
-        start = state.num_tokens if state is not None else 0
-        pos = Positions(start, torch.arange(start, start + ids.shape[0], device=device))
-        buckets = None
-        if self.hasher is not None:
-            history = (
-                state.engram_history
-                if state is not None
-                else torch.zeros(0, dtype=torch.int64, device=device)
-            )
-            buckets, history = self.hasher(ids, history)
-            if state is not None:
-                state.engram_history = history
+        buckets = self._engram_buckets(ids, batch)
         x = self.embed(ids)[:, None, :].expand(-1, cfg.hc_mult, -1).contiguous()
         carry = one_hot_premix(ids.shape[0], cfg.hc_mult, device)
         published, features = Published(), []
@@ -128,21 +111,30 @@ class DeepseekV41(nn.Module):
                 x = layer.engram(x, buckets[:, cfg.engram_layer_ids.index(i)])
             if i in cfg.dspark_target_layer_ids:
                 features.append(x.float().mean(dim=1))
-            layer_state = state.layers[i] if state is not None else None
-            x, carry = layer(x, carry, ids, pos, self.rope(layer.plan.rope), layer_state, published)
-        if state is not None:
-            state.num_tokens += ids.shape[0]
+            x, carry = layer(x, carry, ids, batch, self.rope(layer.plan.rope), published)
+        batch.advance()
         hidden = hc_collapse(x, carry)
-        targets = (
-            torch.stack(features, dim=1) if features else hidden.new_zeros(ids.shape[0], 0, cfg.hidden_size)
-        )
-        return Forward41(hidden, targets)
+        empty = hidden.new_zeros(ids.shape[0], 0, cfg.hidden_size)
+        return Forward41(hidden, torch.stack(features, dim=1) if features else empty)
+
+    def _engram_buckets(self, ids: torch.Tensor, batch: Batch) -> torch.Tensor | None:
+        """Each request's n-gram bucket ids, hashed with its look-back history."""
+        if self.hasher is None:
+            return None
+        parts = []
+        for seq, (lo, hi) in zip(batch.seqs, batch.bounds, strict=True):
+            history = seq.engram_history
+            if history is None:
+                history = torch.zeros(0, dtype=torch.int64, device=ids.device)
+            buckets, seq.engram_history = self.hasher(ids[lo:hi], history)
+            parts.append(buckets)
+        return torch.cat(parts)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head(self.norm(hidden)).float()
 
     def forward(
-        self, ids: torch.Tensor, state: SequenceState41 | None = None, last_only: bool = False
+        self, ids: torch.Tensor, state: SequenceState | None = None, last_only: bool = False
     ) -> torch.Tensor:
         """Logits ``[S, V]`` (fp32) for token ids ``[S]``; ``[1, V]`` of the last one with ``last_only``."""
         hidden = self.run(ids, state).hidden

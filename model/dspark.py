@@ -16,13 +16,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from model.attention import Positions, SharedKVAttention
+from model.attention import SharedKVAttention
 from model.block import MhcBlock, one_hot_premix
 from model.config import ModelConfig
 from model.layers import RMSNorm, linear
 from model.plan import LayerPlan
 from triton_kernels.mhc import hc_collapse, hc_update
 from triton_kernels.rope import apply_rope
+from triton_kernels.sparse_attn import KVPool
 
 
 @dataclass
@@ -65,16 +66,16 @@ class DSparkStage(MhcBlock):
         carry: torch.Tensor,
         ids: torch.Tensor,
         context: torch.Tensor,
-        pos: Positions,
+        positions: torch.Tensor,
         inv_freq: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Single-pass block over the draft streams ``x [B, n, D]``; every token sees the whole block."""
         attn_pre, post, comb = self.coeffs(x, "attn")
         attn = self.attn
-        _, q, kv = attn.project(self.attn_norm(hc_collapse(x, carry)), pos, inv_freq)
+        _, q, kv = attn.project(self.attn_norm(hc_collapse(x, carry)), positions, inv_freq)
         pool = torch.cat([context, kv])
         every = torch.arange(pool.shape[0], device=x.device).expand(x.shape[0], -1)
-        x = hc_update(x, attn.output(q, [(pool, every)], pos, inv_freq), post, comb)
+        x = hc_update(x, attn.output(q, [KVPool(pool, every)], positions, inv_freq), post, comb)
         ffn_pre, post, comb = self.coeffs(x, "ffn")
         f = self.ffn(self.ffn_norm(hc_collapse(x, attn_pre)), ids)
         return hc_update(x, f, post, comb), ffn_pre
@@ -120,11 +121,11 @@ class DSpark(nn.ModuleList):
         ids = torch.full((block,), cfg.dspark_noise_token_id, device=device)
         ids[0] = anchor
         start = state.num_tokens
-        pos = Positions(start, torch.arange(start, start + block, device=device))
+        positions = torch.arange(start, start + block, device=device)
         x = embed(ids)[:, None, :].expand(-1, cfg.hc_mult, -1).contiguous()
         carry = one_hot_premix(block, cfg.hc_mult, device)
         for stage, context in zip(self, state.keys, strict=True):
-            x, carry = stage(x, carry, ids, context, pos, inv_freq)
+            x, carry = stage(x, carry, ids, context, positions, inv_freq)
         last = self[-1]
         hidden = hc_collapse(x, carry).float()
         base = head(last.norm(hidden).to(head.weight.dtype)).float()  # U_k

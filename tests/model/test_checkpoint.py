@@ -115,7 +115,9 @@ def test_fp8_per_row_scales_of_engram_tables():
 
 def test_fp4_codes_low_nibble_first_and_round_trip():
     scale = torch.ones(1, 1).to(torch.float8_e8m0fnu)
-    packed = torch.full((1, 16), 0xA0, dtype=torch.uint8).view(torch.int8)  # high nibble 0xA = -1.0, low 0x0 = 0
+    packed = torch.full((1, 16), 0xA0, dtype=torch.uint8).view(
+        torch.int8
+    )  # high nibble 0xA = -1.0, low 0x0 = 0
     assert dequantize_fp4(packed, scale, torch.float32)[0, :2].tolist() == [0.0, -1.0]
     codes = torch.full((1, 16), 0x71, dtype=torch.uint8).view(torch.int8)  # low 1 -> 0.5, high 7 -> 6.0
     two = torch.tensor([[128]], dtype=torch.uint8).view(torch.float8_e8m0fnu)  # E8M0 128 = 2.0

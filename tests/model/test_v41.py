@@ -7,7 +7,6 @@ import json
 import pytest
 import torch
 
-from model.attention import Positions
 from model.attention_v41 import Indexer41, V41Attention
 from model.block import one_hot_premix
 from model.checkpoint import SINGLE_FILE, load_model
@@ -97,8 +96,8 @@ def test_two_level_selection_invariants(model, monkeypatch):
     record = []
     select = Indexer41.select
 
-    def spy(self, queries, keys, published):
-        picked = select(self, queries, keys, published)
+    def spy(self, queries, batch, published):
+        picked = select(self, queries, batch, published)
         record.append((self.plan, queries.visible.long(), published.candidates, picked.long()))
         return picked
 
@@ -132,10 +131,10 @@ def test_reuse_reads_its_source_and_reindex_rescoring(model, monkeypatch):
     topk = {}
     forward = V41Attention.forward
 
-    def perturbing(self, x, pos, inv_freq, state, published):
-        out = forward(self, x, pos, inv_freq, state, published)
+    def perturbing(self, x, batch, inv_freq, published):
+        out = forward(self, x, batch, inv_freq, published)
         if self.plan.index == 4 and perturb:
-            published.kv[4] = published.kv[4] + 0.5  # what the source publishes, after it used it
+            batch.pools.entries[4].add_(0.5)  # what the source published, after it used it
         topk.update(published.topk)
         return out
 
@@ -210,12 +209,14 @@ def test_dspark_block_is_non_causal_with_a_bounded_context(model):
     block, device = cfg.dspark_block_size, torch.device("cpu")
     ids = torch.full((block,), cfg.dspark_noise_token_id)
     ids[0] = 7
-    pos = Positions(40, torch.arange(40, 40 + block))
+    positions = torch.arange(40, 40 + block)
     context = torch.randn(cfg.sliding_window, cfg.head_dim, generator=torch.Generator().manual_seed(0))
 
     def run(ids, context):
         x = model.embed(ids)[:, None, :].expand(-1, cfg.hc_mult, -1).contiguous()
-        return stage(x, one_hot_premix(block, cfg.hc_mult, device), ids, context, pos, model.rope.main)[0]
+        return stage(x, one_hot_premix(block, cfg.hc_mult, device), ids, context, positions, model.rope.main)[
+            0
+        ]
 
     with torch.no_grad():
         base = run(ids, context)

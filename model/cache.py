@@ -1,0 +1,246 @@
+"""Where the model keeps its KV between calls: flat paged pools addressed by global slot ids.
+
+Each layer's window keys and each compressing layer's entries (and index keys) live in pools
+``[num_slots, dim]``. The pools are views over one buffer of equal-sized blocks; a block belongs
+to one cache group at a time and holds as many slots of that group as fit. A request maps token
+positions (window group) or entry numbers (one compressed group per ratio) to slots through its
+block tables: slot = block * slots_per_block + offset. The engine's ``KVCacheManager`` hands out
+the blocks; a model used alone (``new_state``) gets a private store that grows on demand, so both
+run the same code. Small per-request state (compressor buffers, Engram look-back) stays dense.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from model.config import ModelConfig
+from model.plan import build_plan
+
+
+@dataclass(frozen=True)
+class CacheGroup:
+    name: str
+    ratio: int  # tokens per slot: 1 for the window, the compress ratio otherwise
+    bytes_per_slot: int  # over every layer in the group
+    window: int | None = None  # sliding: positions older than the last ``window`` are never read again
+
+    def slots_needed(self, num_tokens: int) -> int:
+        return num_tokens // self.ratio
+
+
+def cache_groups(cfg: ModelConfig, dtype_bytes: int) -> tuple[CacheGroup, ...]:
+    """The window group of every layer (draft layers included), and one compressed group per ratio of
+    the compressing layers (their entries, plus index keys where the layer has an indexer)."""
+    plans = build_plan(cfg)
+    groups = [CacheGroup("window", 1, len(plans) * cfg.head_dim * dtype_bytes, cfg.sliding_window)]
+    by_ratio: dict[int, int] = {}
+    for p in plans:
+        if p.has_compressor:
+            width = cfg.head_dim + (cfg.index_head_dim if p.has_indexer else 0)
+            by_ratio[p.compress_ratio] = by_ratio.get(p.compress_ratio, 0) + width * dtype_bytes
+    groups += [CacheGroup(f"compressed_r{r}", r, b) for r, b in sorted(by_ratio.items())]
+    return tuple(groups)
+
+
+def group_name(ratio: int) -> str:
+    return "window" if ratio == 0 else f"compressed_r{ratio}"
+
+
+class KVPools:
+    """Every layer's pools as views over one ``[num_blocks, block_bytes]`` buffer."""
+
+    def __init__(
+        self, cfg: ModelConfig, block_size: int, num_blocks: int, dtype: torch.dtype, device: torch.device
+    ):
+        self.cfg, self.block_size, self.dtype, self.device = cfg, block_size, dtype, device
+        elt = torch.empty(0, dtype=dtype).element_size()
+        self.groups = cache_groups(cfg, elt)
+        self.block_bytes = block_size * max(g.bytes_per_slot for g in self.groups)
+        self.slots_per_block = {g.name: self.block_bytes // g.bytes_per_slot for g in self.groups}
+        elt = torch.empty(0, dtype=dtype).element_size()
+        self._build(torch.zeros(num_blocks, self.block_bytes // elt, dtype=dtype, device=device))
+
+    def grow(self, num_blocks: int) -> None:
+        """More blocks, keeping the contents of the present ones (slot ids stay valid)."""
+        buffer = self.buffer.new_zeros(num_blocks, self.buffer.shape[1])
+        buffer[: self.num_blocks] = self.buffer
+        self._build(buffer)
+
+    def _build(self, buffer: torch.Tensor) -> None:
+        cfg, elt = self.cfg, buffer.element_size()
+        self.buffer, self.num_blocks = buffer, buffer.shape[0]
+        num_blocks = self.num_blocks
+        self.window: dict[int, torch.Tensor] = {}
+        self.entries: dict[int, torch.Tensor] = {}
+        self.index_keys: dict[int, torch.Tensor] = {}
+        views = {
+            g.name: buffer[:, : self.slots_per_block[g.name] * g.bytes_per_slot // elt].view(
+                num_blocks, self.slots_per_block[g.name], g.bytes_per_slot // elt
+            )
+            for g in self.groups
+        }
+        offsets = dict.fromkeys(views, 0)
+
+        def take(group: str, width: int) -> torch.Tensor:
+            start = offsets[group]
+            offsets[group] += width
+            return views[group][:, :, start : start + width].reshape(
+                -1, width
+            )  # a view: rows keep their stride
+
+        for plan in build_plan(cfg):
+            self.window[plan.index] = take("window", cfg.head_dim)
+            if plan.has_compressor:
+                name = group_name(plan.compress_ratio)
+                self.entries[plan.index] = take(name, cfg.head_dim)
+                if plan.has_indexer:
+                    self.index_keys[plan.index] = take(name, cfg.index_head_dim)
+
+
+@dataclass
+class SeqCache:
+    """One request's block tables and dense state."""
+
+    tables: dict[str, list[int]]  # group name -> block ids, -1 where freed
+    compressors: dict[int, object] = field(default_factory=dict)  # layer -> compressor state
+    indexers: dict[int, object] = field(
+        default_factory=dict
+    )  # V4 CSA layer -> its indexer's compressor state
+    engram_history: torch.Tensor | None = None
+    num_tokens: int = 0
+
+
+@dataclass
+class Batch:
+    """One call: the tokens of several requests, flat, and where their KV lives."""
+
+    pools: KVPools
+    seqs: list[SeqCache]
+    bounds: list[tuple[int, int]]  # rows of each request's tokens
+    positions: torch.Tensor  # [T] int64
+    request: torch.Tensor  # [T] int32: index into seqs
+    tables: dict[str, torch.Tensor]  # group -> [B, max_blocks] int64, -1 padded
+    window_write: torch.Tensor  # [T]: slot of each token's window key
+    window_read: torch.Tensor  # [T, W]: slots of its W newest positions, -1 before position 0
+
+    @classmethod
+    def build(cls, pools: KVPools, seqs: list[SeqCache], lengths: list[int], device: torch.device) -> Batch:
+        """Per-step metadata, vectorised: request i continues at ``num_tokens`` with ``lengths[i]`` tokens."""
+        starts = torch.tensor([s.num_tokens for s in seqs], dtype=torch.int64)
+        counts = torch.tensor(lengths, dtype=torch.int64)
+        request = torch.repeat_interleave(torch.arange(len(seqs)), counts)
+        ends = counts.cumsum(0)
+        positions = starts[request] + torch.arange(int(ends[-1])) - (ends - counts)[request]
+        width = max(max((len(s.tables[g.name]) for s in seqs), default=0) for g in pools.groups)
+        tables = {}
+        for g in pools.groups:
+            rows = [s.tables[g.name] + [-1] * (width - len(s.tables[g.name])) for s in seqs]
+            tables[g.name] = torch.tensor(rows, dtype=torch.int64).view(len(seqs), width)
+        window = pools.cfg.sliding_window
+        back = positions[:, None] - torch.arange(window)
+        batch = cls(pools, seqs, list(zip((ends - counts).tolist(), ends.tolist(), strict=True)), positions,
+                    request.to(torch.int32), tables, positions, back)  # fmt: skip
+        batch.window_write = batch.slots("window", request, positions)
+        batch.window_read = batch.slots("window", request[:, None].expand_as(back), back)
+        return batch.to(device)
+
+    def to(self, device: torch.device) -> Batch:
+        for name in ("positions", "request", "window_write", "window_read"):
+            setattr(self, name, getattr(self, name).to(device))
+        self.tables = {k: v.to(device) for k, v in self.tables.items()}
+        return self
+
+    def slots(self, group: str, request: torch.Tensor, numbers: torch.Tensor) -> torch.Tensor:
+        """Slots of positions or entry ``numbers`` of requests ``request`` (same shape); -1 stays -1."""
+        per_block = self.pools.slots_per_block[group]
+        table = self.tables[group]
+        valid = numbers >= 0
+        block_index = torch.where(valid, numbers // per_block, 0).clamp(max=max(table.shape[1] - 1, 0))
+        block = table[request.long(), block_index] if table.shape[1] else torch.full_like(numbers, -1)
+        return torch.where(valid & (block >= 0), block * per_block + numbers % per_block, -1)
+
+    def visible(self, ratio: int) -> torch.Tensor:
+        """Entries visible to each token: entry g is visible at position t iff g < (t+1) // ratio."""
+        return (self.positions + 1) // ratio
+
+    def advance(self) -> None:
+        """The call is done: every request has seen its tokens."""
+        for seq, (lo, hi) in zip(self.seqs, self.bounds, strict=True):
+            seq.num_tokens += hi - lo
+
+    def max_entries(self, ratio: int) -> int:
+        """Entries of the request that has the most once this call's tokens are in."""
+        return max(
+            (s.num_tokens + hi - lo) // ratio for s, (lo, hi) in zip(self.seqs, self.bounds, strict=True)
+        )
+
+    def every_visible_entry(self, ratio: int) -> torch.Tensor:
+        """Entry numbers ``[T, max_entries]`` of every entry each token sees, ``-1`` beyond."""
+        numbers = torch.arange(self.max_entries(ratio), device=self.positions.device).expand(
+            len(self.positions), -1
+        )
+        return numbers.masked_fill(numbers >= self.visible(ratio)[:, None], -1)
+
+    def entry_slots(self, ratio: int, numbers: torch.Tensor) -> torch.Tensor:
+        """Slots of each token's entry numbers ``[T, K]`` in its request's compressed group."""
+        return self.slots(group_name(ratio), self.request[:, None].expand_as(numbers), numbers)
+
+    def store(self, pool: torch.Tensor, ratio: int, b: int, first: int, rows: torch.Tensor) -> None:
+        """Write request ``b``'s entries ``first, first+1, ...`` into ``pool``."""
+        if rows.shape[0]:
+            numbers = torch.arange(first, first + rows.shape[0], device=rows.device)
+            slots = self.slots(group_name(ratio), torch.full_like(numbers, b), numbers)
+            pool[slots] = rows.to(pool.dtype)
+
+    def key_pool(self, layer: int, ratio: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Index keys of compressing ``layer`` as the indexer ops read them: pool, block table, block size."""
+        name = group_name(ratio)
+        return (
+            self.pools.index_keys[layer],
+            self.tables[name].to(torch.int32),
+            self.pools.slots_per_block[name],
+        )
+
+
+class PrivateStore:
+    """Blocks for a model used on its own: tables grow on demand and so does the buffer."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, block_size: int = 64):
+        self.pools = KVPools(cfg, block_size, 16, dtype, device)
+        self.next_block = 0
+
+    def reserve(self, seq: SeqCache, num_tokens: int) -> None:
+        """Give ``seq`` every block it needs to hold ``num_tokens`` tokens."""
+        pools = self.pools
+        for g in pools.groups:
+            table = seq.tables[g.name]
+            need = -(-g.slots_needed(num_tokens) // pools.slots_per_block[g.name])
+            while len(table) < need:
+                if self.next_block == pools.num_blocks:
+                    pools.grow(2 * pools.num_blocks)
+                table.append(self.next_block)
+                self.next_block += 1
+
+
+@dataclass
+class SequenceState:
+    """A request served by the model alone: its cache in a private store."""
+
+    store: PrivateStore
+    seq: SeqCache
+
+    @classmethod
+    def new(cls, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> SequenceState:
+        store = PrivateStore(cfg, dtype, device)
+        return cls(store, SeqCache({g.name: [] for g in store.pools.groups}))
+
+    @property
+    def num_tokens(self) -> int:
+        return self.seq.num_tokens
+
+    def batch(self, num_new: int, device: torch.device) -> Batch:
+        """Reserve the blocks for ``num_new`` more tokens and describe the call."""
+        self.store.reserve(self.seq, self.seq.num_tokens + num_new)
+        return Batch.build(self.store.pools, [self.seq], [num_new], device)
