@@ -12,32 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from model.config import ModelConfig
-from model.plan import build_plan
-
-
-@dataclass(frozen=True)
-class CacheGroup:
-    name: str
-    ratio: int  # tokens per slot: 1 for the window, the compress ratio otherwise
-    bytes_per_slot: int  # over every layer in the group
-    window: int | None = None  # sliding: slots older than the last ``window`` positions are freed
-
-    def slots_needed(self, num_tokens: int) -> int:
-        return num_tokens // self.ratio
-
-
-def cache_groups(cfg: ModelConfig, dtype_bytes: int) -> tuple[CacheGroup, ...]:
-    """The window group of every layer, and one compressed group per ratio of the KV-source layers."""
-    plans = [p for p in build_plan(cfg) if not p.is_draft]
-    groups = [CacheGroup("window", 1, len(plans) * cfg.head_dim * dtype_bytes, cfg.sliding_window)]
-    by_ratio: dict[int, int] = {}
-    for p in plans:
-        if p.has_compressor:  # owns its compressed KV (V4 CSA/HCA, V4.1 Full)
-            width = cfg.head_dim + (cfg.index_head_dim if p.has_indexer else 0)
-            by_ratio[p.compress_ratio] = by_ratio.get(p.compress_ratio, 0) + width * dtype_bytes
-    groups += [CacheGroup(f"compressed_r{r}", r, b) for r, b in sorted(by_ratio.items())]
-    return tuple(groups)
+from model.cache import CacheGroup
 
 
 @dataclass

@@ -10,11 +10,12 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from engine.detokenizer import IncrementalDetokenizer
-from engine.kv_cache import KVCacheManager, cache_groups
+from engine.kv_cache import KVCacheManager
 from engine.model_runner import ModelRunner
 from engine.request import FinishReason, Request, SamplingParams, Status
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler
+from model.cache import cache_groups
 from model.checkpoint import load_model
 from model.deepseek_v4 import DeepseekV4
 from model.deepseek_v41 import DeepseekV41
@@ -47,7 +48,7 @@ class LLMEngine:
         groups = cache_groups(model.cfg, model.embed.weight.element_size())
         self.cache = KVCacheManager.from_budget(groups, config.block_size, config.kv_cache_memory)
         self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(model)
+        self.runner = ModelRunner(model, self.cache)
         self.sampler = Sampler(config.seed)
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}

@@ -144,6 +144,10 @@ class DeepseekV4(nn.Module):
     def logits(self, streams: torch.Tensor) -> torch.Tensor:
         return self.head(self.norm(self.hc_head.collapse(streams))).float()
 
+    def batch_logits(self, ids: torch.Tensor, batch: Batch, rows: torch.Tensor) -> torch.Tensor:
+        """Logits ``[len(rows), V]`` at token ``rows`` of a flat multi-request batch (the engine's step)."""
+        return self.logits(self.batch_streams(ids, batch)[rows])
+
     def forward(
         self, ids: torch.Tensor, state: SequenceState | None = None, last_only: bool = False
     ) -> torch.Tensor:

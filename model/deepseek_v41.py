@@ -133,6 +133,10 @@ class DeepseekV41(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head(self.norm(hidden)).float()
 
+    def batch_logits(self, ids: torch.Tensor, batch: Batch, rows: torch.Tensor) -> torch.Tensor:
+        """Logits ``[len(rows), V]`` at token ``rows`` of a flat multi-request batch (the engine's step)."""
+        return self.logits(self.run_batch(ids, batch).hidden[rows])
+
     def forward(
         self, ids: torch.Tensor, state: SequenceState | None = None, last_only: bool = False
     ) -> torch.Tensor:

@@ -6,7 +6,8 @@ import random
 
 import pytest
 
-from engine.kv_cache import CacheGroup, KVCacheManager, cache_groups
+from engine.kv_cache import KVCacheManager
+from model.cache import CacheGroup, cache_groups
 from model.config import ModelConfig
 from model.tiny import TOY_V4
 
@@ -23,7 +24,7 @@ def manager(num_blocks: int = 32) -> KVCacheManager:
 def test_groups_of_the_toy_v4():
     groups = cache_groups(ModelConfig.from_dict({**TOY_V4, "vocab_size": 4096}), 4)
     assert [g.name for g in groups] == ["window", "compressed_r4", "compressed_r128"]
-    assert groups[0].window == 32 and groups[0].bytes_per_slot == 6 * 64 * 4
+    assert groups[0].window == 32 and groups[0].bytes_per_slot == 7 * 64 * 4  # 6 layers + the MTP layer
     assert groups[1].bytes_per_slot == 2 * (64 + 32) * 4  # two CSA layers: main KV + index keys
     assert groups[2].bytes_per_slot == 2 * 64 * 4
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import random
 
-from engine.kv_cache import CacheGroup, KVCacheManager
+from engine.kv_cache import KVCacheManager
 from engine.request import FinishReason, Request, SamplingParams, Status
 from engine.scheduler import Scheduler
+from model.cache import CacheGroup
 
 GROUPS = (CacheGroup("window", 1, 64, window=8), CacheGroup("compressed_r2", 2, 64))
 
