@@ -1,9 +1,9 @@
 """V4 attention: shared-KV MQA over a sliding window plus compressed entries, with sink.
 
 Every layer attends to its own window keys; CSA layers add the compressed entries picked by
-their lightning indexer, HCA layers every visible compressed entry (model-spec §4). The core
-attention takes index tensors (``-1`` = invalid) into KV pools, the contract of the sparse
-attention kernel.
+their lightning indexer, HCA layers every visible compressed entry (model-spec §4). Keys and
+entries live in the paged pools of ``model.cache``: each layer writes its new rows at their slots
+and hands the sparse attention kernel global slot indices (``-1`` = invalid).
 """
 
 from __future__ import annotations
