@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
+
+import torch
+
+# (output tokens so far, logits [V]) -> adjusted logits; may keep state (e.g. a grammar matcher), so one
+# instance per request. It sees every output token in order, also after a preemption recomputes them.
+LogitsProcessor = Callable[[list[int], torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -56,7 +63,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # Below this, logits / temperature overflows to inf and the probabilities turn NaN.
+        return self.temperature < 1e-5
 
 
 class Status(str, Enum):
@@ -86,6 +94,7 @@ class Request:
     num_computed: int = 0  # tokens whose KV is in the cache
     arrival: int = 0  # scheduling order (FCFS)
     stop_text_at: int | None = None  # where a stop string starts in the detokenised output
+    logits_processor: LogitsProcessor | None = None  # applied after the penalties, before sampling
 
     @property
     def tokens(self) -> list[int]:

@@ -1,7 +1,8 @@
 """Next-token sampling for a batch of requests.
 
-Penalties, then temperature, top-k, top-p and min-p, then a draw from each request's own
-generator, so a seeded request samples the same tokens whatever batch it lands in.
+Penalties, then the request's logits processor (constrained decoding), then temperature, top-k, top-p
+and min-p, then a draw from each request's own generator, so a seeded request samples the same tokens
+whatever batch it lands in.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ class Sampler:
         for row, request in zip(logits, requests, strict=True):
             params = request.params
             adjusted = penalize(row, request, params)
+            if request.logits_processor is not None:
+                adjusted = request.logits_processor(request.output, adjusted)
             if params.greedy:
                 token = int(adjusted.argmax())
             else:

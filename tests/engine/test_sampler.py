@@ -79,3 +79,23 @@ def test_bad_params(bad):
     name = next(iter(bad))
     with pytest.raises(ValueError, match=name):
         SamplingParams(**bad)
+
+
+def test_logits_processor_sees_the_output_and_masks_before_sampling():
+    seen = []
+
+    def only_token_1(output: list[int], logits: torch.Tensor) -> torch.Tensor:
+        seen.append(list(output))
+        return torch.full_like(logits, float("-inf")).index_fill(0, torch.tensor([1]), 0.0)
+
+    sampled = Request([0], SamplingParams(temperature=1.0, seed=3), output=[2], logits_processor=only_token_1)
+    greedy = Request([0], SamplingParams(temperature=0.0, logprobs=1), logits_processor=only_token_1)
+    out = Sampler()(torch.stack([LOGITS, LOGITS]), [sampled, greedy])
+    assert [token for token, _ in out] == [1, 1]
+    assert seen == [[2], []]
+    assert out[1][1] == top_logprobs(LOGITS, 1, 1)  # logprobs stay those of the model
+
+
+def test_a_vanishing_temperature_samples_greedily():
+    request = Request([0], SamplingParams(temperature=1e-308))
+    assert Sampler()(LOGITS[None], [request])[0][0] == int(LOGITS.argmax())

@@ -1,0 +1,107 @@
+"""`POST /v1/chat/completions`: the V4 chat encoding in, reasoning / content / tool calls out.
+
+A streamed choice and a non-streamed one pass through the same ChatChoice (the latter fed its final text
+at once), so the concatenated stream is the non-streamed message. `response_format` and a forced
+`tool_choice` are enforced by constrained decoding (engine/grammar.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from engine.async_engine import Update
+from engine.grammar import GrammarError
+from engine.openai_output import ChatChoice, ChatDelta
+from engine.openai_protocol import APIError, ChatCompletionRequest
+from engine.openai_server import OpenAIServer, Seq, sse
+
+
+def _delta(d: ChatDelta) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if d.reasoning_content:
+        out["reasoning_content"] = d.reasoning_content
+    if d.content:
+        out["content"] = d.content
+    if d.tool_calls:
+        out["tool_calls"] = [{"index": k, **c.to_openai()} for k, c in enumerate(d.tool_calls)]
+    return out
+
+
+async def chat_completions(server: OpenAIServer, request: Request) -> Response:
+    body = await server.parse(request, ChatCompletionRequest)
+    body.check_stream_options()
+    mode, named = body.tool_mode()
+    schema = body.json_schema()
+    if schema is not None and mode in ("required", "named"):
+        raise APIError("response_format cannot be combined with a forced tool call", param="tool_choice")
+    top = body.logprobs_count()
+    prompt = server.tokenizer.encode(server.chat_prompt(body, mode, schema), add_special_tokens=False).ids
+    max_tokens = server.max_tokens(body.requested_max_tokens(), prompt, "messages")
+    param = "response_format" if schema is not None else "tool_choice"
+    try:
+        if schema is not None:
+            grammar = server.grammars.json(schema, body.thinking)
+        elif mode in ("required", "named"):
+            grammar = server.grammars.tool_calls(
+                body.tools or [], named, body.thinking, body.parallel_tool_calls
+            )
+        else:
+            grammar = None
+    except GrammarError as err:
+        raise APIError(str(err), param=param) from None
+    processors = await server.processors(grammar, body, param)
+    seqs: list[Seq] = [
+        (prompt, body.sampling_params(max_tokens, top, i), processors[i]) for i in range(body.n)
+    ]
+    group = await server.submit("chatcmpl", seqs)
+    choices = [ChatChoice(params.stop, body.thinking, mode != "none") for _, params, _ in seqs]
+    base = {"id": group.ids[0].rsplit("-", 1)[0], "object": "chat.completion", "created": group.created,
+            "model": body.model or server.names[0]}  # fmt: skip
+
+    def logprobs(u: Update) -> dict | None:
+        return None if top is None else {"content": server.texts.chat_logprobs(u.token_ids, u.logprobs, top)}
+
+    if not body.stream:
+        out = []
+        finals = await server.collect(request, group)
+        for u in finals:
+            d, finish = choices[u.index].advance(u.text, u.finish_reason)
+            message: dict[str, Any] = {"role": "assistant", "content": d.content}
+            if body.thinking:
+                message["reasoning_content"] = d.reasoning_content
+            if d.tool_calls:
+                message["tool_calls"] = [c.to_openai() for c in d.tool_calls]
+                message["content"] = d.content or None
+            out.append(
+                {"index": u.index, "message": message, "logprobs": logprobs(u), "finish_reason": finish}
+            )
+        usage = server.usage(len(prompt), sum(len(u.token_ids) for u in finals))
+        return JSONResponse({**base, "choices": out, "usage": usage})
+
+    include_usage = body.stream_options is not None and body.stream_options.include_usage
+    base["object"] = "chat.completion.chunk"
+
+    def chunk(index: int, delta: dict, lp: dict | None = None, finish: str | None = None) -> str:
+        choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
+        return sse({**base, "choices": [choice], **({"usage": None} if include_usage else {})})
+
+    async def chunks() -> AsyncIterator[str]:
+        for i in range(len(seqs)):
+            yield chunk(i, {"role": "assistant", "content": ""})
+        generated = 0
+        async for u in server.updates(group):
+            generated += len(u.token_ids)
+            d, finish = choices[u.index].advance(u.text, u.finish_reason)
+            delta = _delta(d)
+            if delta or (u.token_ids and top is not None):
+                yield chunk(u.index, delta, logprobs(u))
+            if finish is not None:
+                yield chunk(u.index, {}, None, finish)
+        if include_usage:
+            yield sse({**base, "choices": [], "usage": server.usage(len(prompt), generated)})
+
+    return server.stream(group, chunks())

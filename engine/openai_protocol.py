@@ -1,0 +1,233 @@
+"""OpenAI request schemas, validated strictly: a wrong type, an unknown field or an out-of-range value is a
+400 naming the field, never a 500 and never silently coerced or ignored.
+
+Beyond OpenAI: `top_k`, `min_p`, `repetition_penalty` and `ignore_eos` (as vLLM), and for chat
+`chat_template_kwargs.thinking` (vLLM's switch for reasoning models; `reasoning_effort` alone also turns
+thinking on).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from engine.request import SamplingParams
+
+
+class APIError(Exception):
+    """An OpenAI-style error response."""
+
+    def __init__(
+        self, message: str, status: int = 400, param: str | None = None, code: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.message, self.status, self.param, self.code = message, status, param, code
+
+    def body(self) -> dict[str, Any]:
+        kind = {401: "authentication_error", 404: "not_found_error"}.get(self.status, "invalid_request_error")
+        if self.status >= 500:
+            kind = "server_error"
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+
+def validation_error(err: ValidationError) -> APIError:
+    first = err.errors()[0]
+    where = ".".join(str(p) for p in first["loc"]) or None
+    return APIError(f"{where}: {first['msg']}" if where else first["msg"], param=where)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class JSONSchemaFormat(_Strict):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None  # the schema is always enforced
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class ChatTemplateKwargs(_Strict):
+    thinking: bool | None = None
+    drop_thinking: bool = True  # leave earlier turns' reasoning out of the prompt, as the official encoder
+
+
+Probability = Annotated[float, Field(ge=0.0, le=1.0)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+Stop = str | Annotated[list[str], Field(max_length=16)] | None
+
+
+class Sampling(_Strict):
+    """Fields both endpoints share."""
+
+    model: str | None = None
+    n: Annotated[int, Field(ge=1, le=16)] = 1
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
+    top_p: Probability = 1.0
+    top_k: Annotated[int, Field(ge=-1)] = 0  # 0 or -1: off
+    min_p: Probability = 0.0
+    seed: int | None = None
+    stop: Stop = None
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] = 1.0
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # an end-user id for abuse tracking: accepted, not used
+
+    def check_stream_options(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise APIError("stream_options is only allowed when stream is true", param="stream_options")
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None, index: int) -> SamplingParams:
+        stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                temperature=self.temperature,
+                top_k=max(self.top_k, 0),
+                top_p=self.top_p,
+                min_p=self.min_p,
+                # Choice i of a seeded request draws from seed + i: the choices differ yet reproduce.
+                seed=None if self.seed is None else self.seed + index,
+                repetition_penalty=self.repetition_penalty,
+                presence_penalty=self.presence_penalty,
+                frequency_penalty=self.frequency_penalty,
+                logprobs=logprobs,
+                stop=stops,
+                ignore_eos=self.ignore_eos,
+            )
+        except ValueError as err:
+            raise APIError(str(err)) from None
+
+    def token_bias(self, vocab_size: int) -> dict[int, float] | None:
+        if not self.logit_bias:
+            return None
+        bias = {}
+        for key, value in self.logit_bias.items():
+            if not key.isdigit() or int(key) >= vocab_size:
+                raise APIError(
+                    f"logit_bias: {key!r} is not a token id in [0, {vocab_size})", param="logit_bias"
+                )
+            bias[int(key)] = value
+        return bias
+
+
+class CompletionRequest(Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    echo: bool = False
+    suffix: None = None  # no fill-in-the-middle
+    best_of: int | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        prompts: list[str | list[int]] = (
+            [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)  # type: ignore[arg-type]
+        )
+        if not prompts or any(len(x) == 0 for x in prompts):
+            raise APIError("prompt must not be empty", param="prompt")
+        if self.best_of is not None and self.best_of != self.n:
+            raise APIError("best_of must equal n (no server-side ranking)", param="best_of")
+        return prompts
+
+
+class _ChatTemplate(_Strict):
+    """What the chat encoding takes besides the messages."""
+
+    tools: list[Any] | None = None  # checked by the chat encoding, as the messages
+    reasoning_effort: str | None = None
+    chat_template_kwargs: ChatTemplateKwargs | None = None
+
+    @property
+    def thinking(self) -> bool:
+        kwargs = self.chat_template_kwargs
+        if kwargs is not None and kwargs.thinking is not None:
+            return kwargs.thinking
+        return self.reasoning_effort is not None
+
+
+class ChatCompletionRequest(Sampling, _ChatTemplate):
+    messages: list[Any]  # checked field by field by the chat encoding (model/chat.py)
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
+
+    def logprobs_count(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError("top_logprobs requires logprobs to be true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def requested_max_tokens(self) -> int | None:
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            if self.max_tokens != self.max_completion_tokens:
+                raise APIError("max_tokens and max_completion_tokens disagree", param="max_completion_tokens")
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def tool_mode(self) -> tuple[str, str | None]:
+        """("none" | "auto" | "required" | "named", the named function)."""
+        choice = self.tool_choice
+        if not self.tools:
+            if choice not in (None, "none"):
+                raise APIError("tool_choice needs tools", param="tool_choice")
+            return "none", None
+        if isinstance(choice, NamedToolChoice):
+            return "named", choice.function.name
+        return choice or "auto", None
+
+    def json_schema(self) -> dict[str, Any] | None:
+        """The schema the output must follow, if any."""
+        fmt = self.response_format
+        if fmt is None or fmt.type == "text":
+            if fmt is not None and fmt.json_schema is not None:
+                raise APIError("json_schema is only allowed with type json_schema", param="response_format")
+            return None
+        if fmt.type == "json_object":
+            if fmt.json_schema is not None:
+                raise APIError("json_schema is only allowed with type json_schema", param="response_format")
+            return {"type": "object"}
+        if fmt.json_schema is None:
+            raise APIError("response_format.json_schema is required", param="response_format.json_schema")
+        return fmt.json_schema.schema_
+
+
+class TokenizeRequest(_ChatTemplate):
+    """vLLM's /tokenize: a text prompt, or chat messages rendered with the chat encoding."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Any] | None = None
+    add_special_tokens: bool = True  # a text prompt gets BOS, as /v1/completions does
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]

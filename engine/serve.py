@@ -1,0 +1,162 @@
+"""OpenAI-compatible server: ``python -m engine.serve [--model DIR]``; no ``--model``: the tiny V4.1.
+
+Routes: /v1/models, /v1/completions, /v1/chat/completions (streaming or not), /tokenize, /detokenize,
+/health and /metrics (docs/serving.md). Every defect of a request is an OpenAI-style 400 (401 for a bad
+API key, 404 for an unknown model); a client that goes away aborts its request and frees its cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import torch
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from engine.llm_engine import EngineConfig, LLMEngine
+from engine.metrics import Metrics
+from engine.openai_chat import chat_completions
+from engine.openai_protocol import APIError
+from engine.openai_server import OpenAIServer
+from model.checkpoint import load_model
+from model.tiny import cached_tiny
+from model.tokenizer import load_tokenizer
+
+ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/health",
+             "/metrics")  # fmt: skip
+
+
+class HTTPMetrics:
+    """Counts responses by endpoint and status (a pure ASGI middleware: streaming and disconnects pass)."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        endpoint = scope["path"] if scope["path"] in ENDPOINTS else "other"
+        started = False
+
+        async def send_status(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":  # now: a client may read a stream's end first
+                started = True
+                self.metrics.http.labels(endpoint, str(message["status"])).inc()
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            if not started:
+                self.metrics.http.labels(endpoint, "500").inc()
+
+
+def build_app(server: OpenAIServer, announce: str | None = None) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        server.core.start()
+        if announce:
+            print(announce, flush=True)
+        yield
+        server.core.stop()
+
+    app = FastAPI(title="deepseek-ascend", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_api_route("/v1/models", server.models, methods=["GET"])
+    app.add_api_route("/v1/completions", server.completions, methods=["POST"])
+    app.add_api_route("/tokenize", server.tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", server.detokenize, methods=["POST"])
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await chat_completions(server, request)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if server.core.alive else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(server.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, err: APIError) -> Response:
+        return JSONResponse(err.body(), status_code=err.status)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, err: HTTPException) -> Response:
+        return JSONResponse(APIError(str(err.detail), err.status_code).body(), status_code=err.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, err: Exception) -> Response:
+        return JSONResponse(APIError("internal server error", 500).body(), status_code=500)
+
+    @app.exception_handler(RecursionError)
+    async def too_deep(request: Request, err: RecursionError) -> Response:
+        return JSONResponse(APIError("the request is nested too deeply").body(), status_code=400)
+
+    app.add_middleware(HTTPMetrics, metrics=server.metrics)
+    return app
+
+
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B?)", re.I)
+
+
+def parse_size(text: str) -> int:
+    """Bytes from `268435456`, `256MiB`, `1.5GiB` or `512M` (powers of 1024)."""
+    m = _SIZE.fullmatch(text.strip())
+    if m is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 256MiB")
+    return int(float(m[1]) * 1024 ** " KMGT".index(m[2].upper() or " "))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m engine.serve", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="a DeepSeek V4/V4.1 checkpoint folder (default: the tiny V4.1)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="default: 8000")
+    parser.add_argument("--served-model-name", nargs="+", help="names clients use (default: the folder name)")
+    parser.add_argument("--api-key", help="require `Authorization: Bearer KEY` (all but /health, /metrics)")
+    parser.add_argument(
+        "--max-model-len", type=int, default=EngineConfig.max_model_len, help="prompt + completion limit"
+    )
+    parser.add_argument(
+        "--max-num-seqs", type=int, default=EngineConfig.max_num_seqs, help="sequences running at once"
+    )
+    parser.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens,
+                        help="tokens per engine step")  # fmt: skip
+    parser.add_argument("--kv-cache-memory", type=parse_size, default=EngineConfig.kv_cache_memory,
+                        help="bytes for the KV cache blocks, e.g. 256MiB (default) or 8GiB")  # fmt: skip
+    parser.add_argument("--seed", type=int, default=0, help="seeds the requests that bring no seed")
+    parser.add_argument("--torch-threads", type=int, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    args = parser.parse_args(argv)
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    path = Path(args.model) if args.model else cached_tiny("v41")
+    config = EngineConfig(args.max_num_seqs, args.max_num_batched_tokens, args.max_model_len,
+                          kv_cache_memory=args.kv_cache_memory, seed=args.seed)  # fmt: skip
+    try:
+        engine = LLMEngine(load_model(path), load_tokenizer(path), config)
+    except (ValueError, FileNotFoundError) as err:
+        parser.error(str(err))
+    names = args.served_model_name or ["deepseek-v4.1-tiny" if args.model is None else path.resolve().name]
+    url = f"http://{args.host}:{args.port}"
+    announce = f"Serving {names[0]} from {path} at {url}/v1  (try: curl {url}/v1/models)"
+    logging.basicConfig(level=args.log_level.upper())
+    app = build_app(OpenAIServer(engine, names, args.api_key, str(path)), announce)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+
+
+if __name__ == "__main__":
+    main()
