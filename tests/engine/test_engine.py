@@ -56,8 +56,10 @@ def test_batch_equals_cache_free_greedy_and_each_prompt_alone(tiny):
     assert engine.scheduler.preemptions > 0, "the cache was meant to force preemption"
     for prompt, out in zip(batch, outputs, strict=True):
         assert out == greedy(model, prompt, MAX_TOKENS, use_cache=False)
+    cfg, cache = model.cfg, engine.cache
+    print(f"{cfg.model_type}: {engine.scheduler.preemptions} preemptions, cache of {cache.num_blocks} blocks")
     alone = tight_engine(model, tokenizer, slack_blocks=0)
-    for prompt, out in zip(batch[::5], outputs[::5], strict=True):
+    for prompt, out in zip(batch, outputs, strict=True):
         assert run(alone, [prompt], greedy_params) == [out]
 
 
