@@ -15,12 +15,13 @@ from fastapi.responses import JSONResponse, Response
 
 from engine.async_engine import Update
 from engine.grammar import GrammarError
-from engine.openai_output import ChatChoice, ChatDelta
+from engine.openai_output import ChatChoice
 from engine.openai_protocol import APIError, ChatCompletionRequest
 from engine.openai_server import OpenAIServer, Seq, sse
+from model.chat_parse import StreamDelta
 
 
-def _delta(d: ChatDelta) -> dict[str, Any]:
+def _delta(d: StreamDelta) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if d.reasoning_content:
         out["reasoning_content"] = d.reasoning_content

@@ -7,12 +7,11 @@ once), so their concatenated content is the same by construction.
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass, field
 from typing import Any
 
 from tokenizers import Tokenizer
 
-from model.chat_parse import CompletionParseError, StreamParser, ToolCall
+from model.chat_parse import CompletionParseError, StreamDelta, StreamParser, ToolCall
 from model.tokenizer import THINK_END
 
 
@@ -39,13 +38,6 @@ class TextRelease:
         return new
 
 
-@dataclass
-class ChatDelta:
-    reasoning_content: str = ""
-    content: str = ""
-    tool_calls: list[ToolCall] = field(default_factory=list)
-
-
 def new_call_id(index: int) -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
@@ -56,13 +48,13 @@ class ChatChoice:
     def __init__(self, stops: tuple[str, ...], thinking: bool, tools_enabled: bool):
         self.release, self.output = TextRelease(stops), ChatOutput(thinking, tools_enabled)
 
-    def advance(self, text: str, finish_reason: str | None) -> tuple[ChatDelta, str | None]:
+    def advance(self, text: str, finish_reason: str | None) -> tuple[StreamDelta, str | None]:
         """The new message parts, and the finish reason once finished (tool_calls when it called tools)."""
         delta = self.output.feed(self.release.next(text, finish_reason is not None))
         if finish_reason is None:
             return delta, None
         tail = self.output.finish()
-        delta = ChatDelta(
+        delta = StreamDelta(
             delta.reasoning_content + tail.reasoning_content, delta.content + tail.content, tail.tool_calls
         )
         return delta, "tool_calls" if delta.tool_calls else finish_reason
@@ -84,7 +76,7 @@ class ChatOutput:
         self.calls: list[ToolCall] = []
         self.failed = False
 
-    def feed(self, text: str) -> ChatDelta:
+    def feed(self, text: str) -> StreamDelta:
         self.text += text
         if self.failed:
             return self._content(text)
@@ -95,9 +87,9 @@ class ChatOutput:
         self.calls += d.tool_calls
         return self._content(d.content, d.reasoning_content)
 
-    def finish(self) -> ChatDelta:
+    def finish(self) -> StreamDelta:
         if self.failed:
-            return ChatDelta()
+            return StreamDelta()
         try:
             d = self.parser.finish()
         except CompletionParseError:
@@ -109,11 +101,11 @@ class ChatOutput:
         delta.tool_calls = calls
         return delta
 
-    def _content(self, content: str, reasoning: str = "") -> ChatDelta:
+    def _content(self, content: str, reasoning: str = "") -> StreamDelta:
         self.content += content
-        return ChatDelta(reasoning, content)
+        return StreamDelta(reasoning, content)
 
-    def _fail(self) -> ChatDelta:
+    def _fail(self) -> StreamDelta:
         self.failed = True
         after = self.text.split(THINK_END, 1)[1] if self.thinking else self.text
         return self._content(after[len(self.content) :])
