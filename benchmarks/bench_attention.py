@@ -13,14 +13,13 @@ dense bf16 peak of known GPUs.
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 # Without a device this switches the kernels to the interpreter, which must precede importing triton.
-from benchmarks.common import device, flops_peak, hbm_peak, time_ms  # isort: split
+from benchmarks.common import device, flops_peak, hbm_peak, parse_args, time_ms  # isort: split
 
 from triton_kernels import compressor, runtime, sparse_attn
 from triton_kernels.compressor import CompressBatch, CompressorParams, CompressorStates
@@ -130,17 +129,10 @@ def _compressor(s: Comp, dev: torch.device, dtype: torch.dtype) -> list[Case]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--large", action="store_true", help="model shapes (slow under the interpreter)")
-    parser.add_argument("--iters", type=int, default=3, help="timed runs per op on a CPU")
-    args = parser.parse_args(argv)
+    args = parse_args(__doc__, argv)
     dev = device()
     dtype = torch.float32 if runtime.backend() == "cpu" else torch.bfloat16
     bandwidth, compute = hbm_peak(dev), flops_peak()
-    mode = "interpreter" if runtime.interpreter_active() else "compiled"
-    print(f"backend {runtime.backend()} ({runtime.device_name()}), kernels {mode}")
     for peak, unit, scale in ((bandwidth, "GB/s", 1e9), (compute, "TFLOP/s", 1e12)):
         if peak:
             print(f"peak {peak[0] / scale:.0f} {unit} ({peak[1]})")

@@ -12,18 +12,17 @@ on other devices the peak is a measured device-to-device copy.
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 # Without a device this switches the kernels to the interpreter, which must precede importing triton.
-from benchmarks.common import device, hbm_peak, time_ms  # isort: split
+from benchmarks.common import device, hbm_peak, parse_args, time_ms  # isort: split
 
 import triton
 
-from triton_kernels import indexer, quant, runtime, topk
+from triton_kernels import indexer, quant, topk
 from triton_kernels.indexer import IndexQueries, KeyPool
 
 
@@ -152,16 +151,9 @@ def _cases(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--large", action="store_true", help="model shapes (slow under the interpreter)")
-    parser.add_argument("--iters", type=int, default=3, help="timed runs per op on a CPU")
-    args = parser.parse_args(argv)
+    args = parse_args(__doc__, argv)
     dev = device()
     peak = hbm_peak(dev)
-    mode = "interpreter" if runtime.interpreter_active() else "compiled"
-    print(f"backend {runtime.backend()} ({runtime.device_name()}), kernels {mode}")
     if peak:
         print(f"bandwidth peak {peak[0] / 1e9:.0f} GB/s ({peak[1]})")
     for s in LARGE if args.large else SMALL:

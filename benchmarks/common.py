@@ -6,6 +6,7 @@ Import this module before any ``triton_kernels`` op module: without a device it 
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import os
 import statistics
@@ -62,3 +63,14 @@ def flops_peak() -> tuple[float, str] | None:
     """Dense bf16 FLOP/s of a known GPU (Ascend's is not published reliably: none)."""
     name = runtime.device_name()
     return next(((peak, f"{name} bf16") for part, peak in BF16_PEAK.items() if part in name), None)
+
+
+def parse_args(doc: str | None, argv: list[str] | None) -> argparse.Namespace:
+    """The options every kernel benchmark takes; prints the backend it runs on."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--large", action="store_true", help="model shapes (slow under the interpreter)")
+    parser.add_argument("--iters", type=int, default=3, help="timed runs per op on a CPU")
+    args = parser.parse_args(argv)
+    mode = "interpreter" if runtime.interpreter_active() else "compiled"
+    print(f"backend {runtime.backend()} ({runtime.device_name()}), kernels {mode}")
+    return args
