@@ -10,10 +10,10 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_kernels import compressor, indexer, mhc, quant, rmsnorm, rope, runtime, sparse_attn, topk
+from triton_kernels import compressor, engram, indexer, mhc, quant, rmsnorm, rope, runtime, sparse_attn, topk
 from triton_kernels.spec import KernelSpec, TuneConfig
 
-OP_MODULES = (rmsnorm, rope, mhc, topk, indexer, quant, sparse_attn, compressor)
+OP_MODULES = (rmsnorm, rope, mhc, topk, indexer, quant, sparse_attn, compressor, engram)
 
 
 def test_cpu_backend_facts() -> None:
