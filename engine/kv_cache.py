@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from model.cache import CacheGroup
+from model.cache import CacheGroup, block_layout
 
 
 @dataclass
@@ -26,8 +26,7 @@ class KVCacheManager:
         if block_size < 1 or num_blocks < 1:
             raise ValueError(f"block_size={block_size} and num_blocks={num_blocks} must be positive")
         self.groups, self.block_size, self.num_blocks = groups, block_size, num_blocks
-        self.block_bytes = block_size * max(g.bytes_per_slot for g in groups)
-        self.slots_per_block = {g.name: self.block_bytes // g.bytes_per_slot for g in groups}
+        self.block_bytes, self.slots_per_block = block_layout(groups, block_size)
         self.free: list[int] = list(range(num_blocks - 1, -1, -1))
         self.tables: dict[str, dict[str, BlockTable]] = {}  # request id -> group name -> table
 
@@ -36,7 +35,7 @@ class KVCacheManager:
         cls, groups: tuple[CacheGroup, ...], block_size: int, memory_bytes: int
     ) -> KVCacheManager:
         """As many blocks as ``memory_bytes`` holds."""
-        block_bytes = block_size * max(g.bytes_per_slot for g in groups)
+        block_bytes, _ = block_layout(groups, block_size)
         if memory_bytes < block_bytes:
             raise ValueError(f"kv cache memory {memory_bytes} B is below one block ({block_bytes} B)")
         return cls(groups, block_size, memory_bytes // block_bytes)

@@ -44,6 +44,12 @@ def cache_groups(cfg: ModelConfig, dtype_bytes: int) -> tuple[CacheGroup, ...]:
     return tuple(groups)
 
 
+def block_layout(groups: tuple[CacheGroup, ...], block_size: int) -> tuple[int, dict[str, int]]:
+    """Bytes per block (``block_size`` slots of the widest group) and each group's slots per block."""
+    block_bytes = block_size * max(g.bytes_per_slot for g in groups)
+    return block_bytes, {g.name: block_bytes // g.bytes_per_slot for g in groups}
+
+
 def group_name(ratio: int) -> str:
     return "window" if ratio == 0 else f"compressed_r{ratio}"
 
@@ -57,8 +63,7 @@ class KVPools:
         self.cfg, self.block_size, self.dtype, self.device = cfg, block_size, dtype, device
         elt = torch.empty(0, dtype=dtype).element_size()
         self.groups = cache_groups(cfg, elt)
-        self.block_bytes = block_size * max(g.bytes_per_slot for g in self.groups)
-        self.slots_per_block = {g.name: self.block_bytes // g.bytes_per_slot for g in self.groups}
+        self.block_bytes, self.slots_per_block = block_layout(self.groups, block_size)
         elt = torch.empty(0, dtype=dtype).element_size()
         self._build(torch.zeros(num_blocks, self.block_bytes // elt, dtype=dtype, device=device))
 
