@@ -186,23 +186,32 @@ def lower(
     stages: dict[str, Any] = {}
     backend.add_stages(stages, opts)
     metadata = {"hash": "ascend-check", "target": target, **opts.__dict__}
-    stage = "ast->ttir"
-    with tempfile.TemporaryFile() as log:
-        with _stderr_to(log):
-            try:
-                context = ir.context()
-                ir.load_dialects(context)
-                backend.load_dialects(context)
-                module = ASTSource(fn, signature, constexprs).make_ir(
-                    opts, backend.get_codegen_implementation(), backend.get_module_map(), context
-                )
-                for stage in ("ttir", "ttadapter"):
-                    module = stages[stage](module, metadata)
-                return module
-            except Exception as exc:
-                failure = exc
-        log.seek(0)
-        raise LoweringError(f"{stage}: {_describe(failure, log.read().decode(errors='replace'), fn, known)}")
+    # triton-adapter-opt now and then crashes on a kernel it lowers fine on the next run: a crash
+    # gets one retry, a real incompatibility (which crashes every time) still fails.
+    for attempt in range(2):
+        stage = "ast->ttir"
+        with tempfile.TemporaryFile() as log:
+            with _stderr_to(log):
+                try:
+                    context = ir.context()
+                    ir.load_dialects(context)
+                    backend.load_dialects(context)
+                    module = ASTSource(fn, signature, constexprs).make_ir(
+                        opts, backend.get_codegen_implementation(), backend.get_module_map(), context
+                    )
+                    for stage in ("ttir", "ttadapter"):
+                        module = stages[stage](module, metadata)
+                    return module
+                except Exception as exc:
+                    failure = exc
+            crashed = isinstance(failure, subprocess.CalledProcessError) and failure.returncode < 0
+            if crashed and attempt == 0:
+                continue
+            log.seek(0)
+            raise LoweringError(
+                f"{stage}: {_describe(failure, log.read().decode(errors='replace'), fn, known)}"
+            )
+    raise AssertionError("unreachable")
 
 
 def static_buffer_bytes(mlir: str) -> int:
