@@ -1,5 +1,5 @@
-"""The engine loop: ``LLMEngine.step() = Scheduler.schedule() -> ModelRunner.run() -> Sampler -> update``,
-and ``LLM``, the offline API on top of it."""
+"""The engine loop: ``LLMEngine.step() = Scheduler.schedule() -> ModelRunner.run() -> Sampler -> update``
+(``-> Proposer`` when speculating), and ``LLM``, the offline API on top of it."""
 
 from __future__ import annotations
 
@@ -15,6 +15,9 @@ from engine.model_runner import ModelRunner
 from engine.request import FinishReason, Request, SamplingParams, Status
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler
+from engine.spec_decode import SPECULATIVE_METHODS, build_proposer
+from engine.spec_decode.proposer import Observation, Proposer
+from engine.spec_decode.stats import SpecDecodeStats
 from model.cache import cache_groups
 from model.checkpoint import load_model
 from model.deepseek_v4 import DeepseekV4
@@ -30,6 +33,17 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_memory: int = 256 * 2**20  # bytes for the KV cache blocks
     seed: int = 0
+    speculative_method: str | None = None  # "mtp" (V4) or "dspark" (V4.1)
+    num_speculative_tokens: int | None = None  # drafts per step; default: 1 for mtp, the DSpark block
+    dspark_min_confidence: float = 0.0  # verify the draft prefix whose confidence product stays above
+
+    def __post_init__(self) -> None:
+        if self.speculative_method not in (None, *SPECULATIVE_METHODS):
+            raise ValueError(
+                f"speculative_method={self.speculative_method!r} must be one of {SPECULATIVE_METHODS}"
+            )
+        if self.num_speculative_tokens is not None and not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens} must be in [1, 16]")
 
 
 @dataclass(frozen=True)
@@ -43,13 +57,27 @@ class Completion:
 
 
 class LLMEngine:
-    def __init__(self, model: DeepseekV4 | DeepseekV41, tokenizer: Tokenizer, config: EngineConfig):
+    def __init__(
+        self,
+        model: DeepseekV4 | DeepseekV41,
+        tokenizer: Tokenizer,
+        config: EngineConfig,
+        proposer: Proposer | None = None,
+    ):
+        """``proposer`` replaces the one ``config.speculative_method`` names (tests, benchmarks)."""
         self.model, self.tokenizer, self.config = model, tokenizer, config
         groups = cache_groups(model.cfg, model.embed.weight.element_size())
         self.cache = KVCacheManager.from_budget(groups, config.block_size, config.kv_cache_memory)
-        self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(model, self.cache)
         self.sampler = Sampler(config.seed)
+        self.proposer, self.num_drafts = build_proposer(
+            config, model, self.runner.pools, self.sampler, proposer
+        )
+        self.spec_stats = SpecDecodeStats()
+        self.lookahead = self.proposer.lookahead if self.proposer else 0
+        self.scheduler = Scheduler(
+            self.cache, config.max_num_seqs, config.max_num_batched_tokens, self.lookahead
+        )
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._arrivals = 0
@@ -68,7 +96,10 @@ class LLMEngine:
             raise ValueError(
                 f"{len(prompt)} prompt tokens + max_tokens={params.max_tokens} exceed max_model_len={limit}"
             )
-        peak = self.cache.max_blocks(len(prompt) + params.max_tokens, self.config.max_num_batched_tokens)
+        peak = self.cache.max_blocks(
+            len(prompt) + params.max_tokens + self.lookahead,
+            self.config.max_num_batched_tokens + self.lookahead,
+        )
         if peak > self.cache.num_blocks:
             raise ValueError(
                 f"request needs up to {peak} KV cache blocks; the cache has {self.cache.num_blocks}"
@@ -94,19 +125,48 @@ class LLMEngine:
         return self.scheduler.has_work
 
     def step(self) -> list[Request]:
-        """Run one step; return the requests that produced a token or finished in it."""
+        """Run one step; return the requests that produced tokens or finished in it."""
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
-        logits = self.runner.run(chunks)
-        sampling = [c for c in chunks if c.samples]
-        sampled = self.sampler(logits, [c.request for c in sampling]) if sampling else []
-        for chunk in chunks:
-            chunk.request.num_computed = chunk.start + chunk.length
-            self.cache.release_old(chunk.request.id, chunk.request.num_computed)
-        for chunk, (token, logprobs) in zip(sampling, sampled, strict=True):
-            self._append(chunk.request, token, logprobs)
-        return [c.request for c in sampling]
+        out = self.runner.run(chunks)
+        logits = iter(out.logits)
+        updated, observations = [], []
+        for chunk, features in zip(chunks, out.features, strict=True):
+            request, committed = chunk.request, chunk.length - chunk.num_drafts
+            samples = chunk.samples  # read before the new tokens are appended
+            if samples:
+                sampled = self.sampler(request, next(logits), request.proposal)
+                if chunk.num_drafts:
+                    accepted = len(sampled) - 1
+                    self.spec_stats.record(chunk.num_drafts, accepted)
+                    committed += accepted
+                    self.runner.rollback(chunk, committed)
+                request.proposal = None
+            request.num_computed = chunk.start + committed
+            if samples:
+                for token, logprobs in sampled:
+                    self._append(request, token, logprobs)
+                    if request.finished:
+                        break
+                updated.append(request)
+            if self.proposer and not request.finished:
+                wanted = self._drafts_wanted(request) if samples else 0
+                seq = self.runner.seqs[request.id]
+                observations.append(Observation(request, seq, chunk.start, features[:committed], wanted))
+        if observations:
+            for observation, proposal in zip(observations, self.proposer.propose(observations), strict=True):
+                observation.request.proposal = proposal
+        for chunk in chunks:  # after drafting: the MTP catch-up reads the window back from the chunk start
+            if not chunk.request.finished:
+                self.cache.release_old(chunk.request.id, chunk.request.num_computed)
+        return updated
+
+    def _drafts_wanted(self, request: Request) -> int:
+        """Drafts to verify next: none under a logits processor, never past ``max_tokens``."""
+        if request.logits_processor is not None:
+            return 0
+        return max(0, min(self.num_drafts, request.params.max_tokens - len(request.output) - 1))
 
     def _append(self, request: Request, token: int, logprobs: dict[int, float] | None) -> None:
         params = request.params
@@ -130,6 +190,9 @@ class LLMEngine:
         self.scheduler.finish(request, reason)
         self.runner.release(request.id)
         self.sampler.forget(request)
+        request.proposal = None
+        if self.proposer:
+            self.proposer.release(request.id)
 
     def text(self, request: Request) -> str:
         text = self.tokenizer.decode(request.output, skip_special_tokens=True)

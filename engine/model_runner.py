@@ -4,9 +4,12 @@ The per-step metadata (positions, request of each token, block tables, window sl
 vectorised by ``model.cache.Batch`` from the cache manager's tables; the model then reads and
 writes every request's KV by slot. Small per-request state (compressor buffers, Engram look-back)
 lives in the request's ``SeqCache``; a chunk starting at position 0 (new or preempted) starts over.
+A chunk that verifies drafts journals that state first, so ``rollback`` can keep its accepted prefix.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -15,6 +18,12 @@ from engine.scheduler import ScheduledChunk
 from model.cache import Batch, KVPools, SeqCache
 from model.deepseek_v4 import DeepseekV4
 from model.deepseek_v41 import DeepseekV41
+
+
+@dataclass
+class StepOutput:
+    logits: list[torch.Tensor]  # per sampling chunk, in order: [1 + num_drafts, V] at its last positions
+    features: list[torch.Tensor]  # per chunk: the draft head's input for each of its tokens
 
 
 class ModelRunner:
@@ -28,24 +37,36 @@ class ModelRunner:
         self.seqs: dict[str, SeqCache] = {}
 
     @torch.no_grad()
-    def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """Logits ``[n, V]`` of the last position of each chunk that samples, in order."""
-        seqs, ids, last = [], [], []
+    def run(self, chunks: list[ScheduledChunk]) -> StepOutput:
+        seqs, ids, rows, counts = [], [], [], []
         for chunk in chunks:
             request = chunk.request
             if chunk.start == 0:  # the manager's table lists are shared, so the model sees every allocation
                 tables = {name: table.blocks for name, table in self.cache.tables[request.id].items()}
                 self.seqs[request.id] = SeqCache(tables)
             seq = self.seqs[request.id]
+            if chunk.num_drafts:
+                seq.speculate()
             seqs.append(seq)
-            ids.extend(request.tokens[chunk.start : chunk.start + chunk.length])
+            ids.extend(chunk.token_ids)
             if chunk.samples:
-                last.append(len(ids) - 1)
+                counts.append(chunk.num_drafts + 1)
+                rows.extend(range(len(ids) - counts[-1], len(ids)))
         batch = Batch.build(self.pools, seqs, [c.length for c in chunks], self.device)
         tokens = torch.tensor(ids, device=self.device)
-        return self.model.batch_logits(
-            tokens, batch, torch.tensor(last, dtype=torch.long, device=self.device)
+        logits, features = self.model.batch_forward(
+            tokens, batch, torch.tensor(rows, dtype=torch.long, device=self.device)
         )
+        return StepOutput(list(logits.split(counts)), list(features.split([c.length for c in chunks])))
+
+    def seq(self, request_id: str) -> SeqCache:
+        return self.seqs[request_id]
+
+    @torch.no_grad()
+    def rollback(self, chunk: ScheduledChunk, keep: int) -> None:
+        """Keep the first ``keep`` tokens of a chunk that verified drafts: caches as if only they came."""
+        kept = torch.tensor(chunk.token_ids[:keep], device=self.device)
+        self.model.rollback(self.seqs[chunk.request.id], kept)
 
     def release(self, request_id: str) -> None:
         self.seqs.pop(request_id, None)

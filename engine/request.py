@@ -67,6 +67,15 @@ class SamplingParams:
         return self.temperature < 1e-5
 
 
+@dataclass
+class Proposal:
+    """Draft tokens for a request's next step and, unless drawn deterministically, the logits ``[K, V]``
+    each was drawn from (the sampler turns them into the proposal distribution as it did to draw)."""
+
+    tokens: list[int]
+    logits: torch.Tensor | None = None
+
+
 class Status(str, Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -95,6 +104,7 @@ class Request:
     arrival: int = 0  # scheduling order (FCFS)
     stop_text_at: int | None = None  # where a stop string starts in the detokenised output
     logits_processor: LogitsProcessor | None = None  # applied after the penalties, before sampling
+    proposal: Proposal | None = None  # drafts to verify in the next step (speculative decoding)
 
     @property
     def tokens(self) -> list[int]:

@@ -1,15 +1,21 @@
-"""Next-token sampling for a batch of requests.
+"""Next-token sampling for one request, verifying the drafts of speculative decoding on the way.
 
 Penalties, then the request's logits processor (constrained decoding), then temperature, top-k, top-p
 and min-p, then a draw from each request's own generator, so a seeded request samples the same tokens
-whatever batch it lands in.
+whatever batch it lands in. With drafts (model-spec §8.3) the target's logits at the K+1 verified
+positions decide: greedy keeps the drafts that equal the target's argmax, then the target's token;
+sampling keeps draft x with probability min(1, p(x)/q(x)), q the distribution x was drawn from, and
+on the first rejection draws from normalize(max(0, p - q)), so the tokens are distributed exactly as
+without drafts. A draft without a distribution (a deterministic proposer) has q one-hot.
 """
 
 from __future__ import annotations
 
 import torch
 
-from engine.request import Request, SamplingParams
+from engine.request import Proposal, Request, SamplingParams
+
+Sampled = tuple[int, dict[int, float] | None]  # token, and its top logprobs when asked
 
 
 class Sampler:
@@ -29,38 +35,84 @@ class Sampler:
         return self._generators[request.id]
 
     def __call__(
-        self, logits: torch.Tensor, requests: list[Request]
-    ) -> list[tuple[int, dict[int, float] | None]]:
-        """Token and (when asked) top logprobs for each request's row of ``logits [B, V]``."""
-        logits = logits.float().cpu()
-        out = []
-        for row, request in zip(logits, requests, strict=True):
-            params = request.params
-            adjusted = penalize(row, request, params)
-            if request.logits_processor is not None:
-                adjusted = request.logits_processor(request.output, adjusted)
+        self, request: Request, logits: torch.Tensor, proposal: Proposal | None = None
+    ) -> list[Sampled]:
+        """The tokens one step emits from the target's ``logits [K+1, V]`` at the positions that verify
+        the first K draft tokens of ``proposal`` (K = 0: plain sampling): the accepted drafts, then the
+        target's own token (correction or bonus)."""
+        drafts = proposal.tokens[: logits.shape[0] - 1] if proposal else []
+        if len(drafts) != logits.shape[0] - 1:
+            raise ValueError(f"{logits.shape[0]} logit rows verify {len(drafts)} drafts: need one more row")
+        if drafts and request.logits_processor is not None:
+            raise ValueError("a request with a logits processor cannot verify drafts")
+        params, output, out = request.params, list(request.output), []
+        for k, row in enumerate(logits.float().cpu()):
+            target = self._adjusted(request, row, output)
             if params.greedy:
-                token = int(adjusted.argmax())
+                token = int(target.argmax())
+            elif k < len(drafts):
+                token = self._verify(request, filtered_probs(target, params), proposal, k, output)
             else:
-                probs = filtered_probs(adjusted, params)
-                token = int(torch.multinomial(probs, 1, generator=self.generator(request)))
+                token = self._draw(request, filtered_probs(target, params))
             out.append((token, top_logprobs(row, token, params.logprobs)))
+            output.append(token)
+            if k == len(drafts) or token != drafts[k]:
+                break
         return out
 
+    def draft(self, request: Request, logits: torch.Tensor, drafted: list[int]) -> int:
+        """A proposer's token from its ``logits [V]`` after the drafts so far (greedy: the argmax). Requests
+        with a logits processor never draft: the processor's state follows the accepted output only."""
+        output = request.output + drafted
+        if request.params.greedy:
+            return int(penalize(logits.float().cpu(), request.prompt, output, request.params).argmax())
+        return self._draw(request, _proposal_probs(request, logits, output))
 
-def penalize(logits: torch.Tensor, request: Request, params: SamplingParams) -> torch.Tensor:
+    def _verify(
+        self, request: Request, p: torch.Tensor, proposal: Proposal, k: int, output: list[int]
+    ) -> int:
+        x = proposal.tokens[k]
+        if proposal.logits is None:
+            q = torch.zeros_like(p)
+            q[x] = 1.0
+        else:
+            q = _proposal_probs(request, proposal.logits[k], output)
+        if float(torch.rand(1, generator=self.generator(request))) * float(q[x]) < float(p[x]):
+            return x
+        residual = (p - q).clamp(min=0.0)
+        return self._draw(request, residual / residual.sum() if residual.sum() > 0 else p)
+
+    def _draw(self, request: Request, probs: torch.Tensor) -> int:
+        return int(torch.multinomial(probs, 1, generator=self.generator(request)))
+
+    @staticmethod
+    def _adjusted(request: Request, logits: torch.Tensor, output: list[int]) -> torch.Tensor:
+        adjusted = penalize(logits, request.prompt, output, request.params)
+        if request.logits_processor is not None:
+            adjusted = request.logits_processor(output, adjusted)
+        return adjusted
+
+
+def _proposal_probs(request: Request, logits: torch.Tensor, output: list[int]) -> torch.Tensor:
+    """What a proposer draws a sampled request's draft from, after ``output``."""
+    return filtered_probs(
+        penalize(logits.float().cpu(), request.prompt, output, request.params), request.params
+    )
+
+
+def penalize(
+    logits: torch.Tensor, prompt: list[int], output: list[int], params: SamplingParams
+) -> torch.Tensor:
     """Repetition penalty over prompt and output; presence and frequency penalties over the output."""
     if params.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(request.tokens)), dtype=torch.long)
+        seen = torch.tensor(sorted(set(prompt) | set(output)), dtype=torch.long)
         scores = logits[seen]
         logits = logits.clone()
         logits[seen] = torch.where(
             scores > 0, scores / params.repetition_penalty, scores * params.repetition_penalty
         )
-    if (params.presence_penalty or params.frequency_penalty) and request.output:
-        counts = torch.bincount(torch.tensor(request.output), minlength=logits.shape[0])[
-            : logits.shape[0]
-        ].float()
+    if (params.presence_penalty or params.frequency_penalty) and output:
+        counts = torch.bincount(torch.tensor(output), minlength=logits.shape[0])[: logits.shape[0]].float()
         logits = logits - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).float()
     return logits
 

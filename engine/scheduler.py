@@ -1,9 +1,10 @@
 """One token budget per step, shared by decodes and prefill chunks; FCFS with preemption.
 
-Running requests are served first (oldest first): a decode takes one token, a prefill the next
-chunk that fits the budget. Waiting requests are admitted in arrival order while seats, budget
-and cache blocks last. When a running request cannot get its blocks, the newest running request
-is preempted (its cache freed, to be recomputed later), so the oldest always progresses.
+Running requests are served first (oldest first): a decode takes one token (plus the drafts it
+verifies, when speculating), a prefill the next chunk that fits the budget. Waiting requests are
+admitted in arrival order while seats, budget and cache blocks last. When a running request cannot
+get its blocks, the newest running request is preempted (its cache freed, to be recomputed later),
+so the oldest always progresses.
 """
 
 from __future__ import annotations
@@ -19,21 +20,31 @@ from engine.request import FinishReason, Request, Status
 class ScheduledChunk:
     request: Request
     start: int  # first position computed in this step
-    length: int  # tokens computed in this step
+    length: int  # tokens computed in this step, drafts included
+    num_drafts: int = 0  # the last ones are the request's first draft tokens, to verify
 
     @property
     def samples(self) -> bool:
-        """The chunk reaches the request's last known token: the step produces the next one."""
-        return self.start + self.length == self.request.num_tokens
+        """The chunk reaches the request's last known token: the step produces the next one(s)."""
+        return self.start + self.length - self.num_drafts == self.request.num_tokens
+
+    @property
+    def token_ids(self) -> list[int]:
+        known = self.request.tokens[self.start : self.start + self.length - self.num_drafts]
+        proposal = self.request.proposal
+        return known + (proposal.tokens[: self.num_drafts] if proposal else [])
 
 
 class Scheduler:
-    def __init__(self, cache: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(
+        self, cache: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, lookahead: int = 0
+    ):
+        """``lookahead``: positions past a sampling chunk whose KV the drafting after it writes."""
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_seqs={max_num_seqs}, max_num_batched_tokens={max_num_batched_tokens}: must be > 0"
             )
-        self.cache = cache
+        self.cache, self.lookahead = cache, lookahead
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -54,7 +65,7 @@ class Scheduler:
             if request.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
             chunk = self._chunk(request, budget)
-            while not self.cache.allocate(request.id, chunk.start, chunk.start + chunk.length):
+            while not self._allocate(chunk):
                 victim = self.running[-1]
                 self._preempt(victim)
                 if victim is request:
@@ -65,7 +76,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             chunk = self._chunk(request, budget)
-            if not self.cache.allocate(request.id, chunk.start, chunk.start + chunk.length):
+            if not self._allocate(chunk):
                 break
             self.waiting.popleft()
             request.status = Status.RUNNING
@@ -76,12 +87,19 @@ class Scheduler:
 
     def _chunk(self, request: Request, budget: int) -> ScheduledChunk:
         start = request.num_computed
-        return ScheduledChunk(request, start, min(request.num_tokens - start, budget))
+        known = request.num_tokens - start
+        drafts = len(request.proposal.tokens) if request.proposal and known == 1 else 0
+        length = min(known + drafts, budget)
+        return ScheduledChunk(request, start, length, max(0, length - known))
+
+    def _allocate(self, chunk: ScheduledChunk) -> bool:
+        end = chunk.start + chunk.length + (self.lookahead if chunk.samples else 0)
+        return self.cache.allocate(chunk.request.id, chunk.start, end)
 
     def _preempt(self, request: Request) -> None:
         self.cache.free_request(request.id)
         self.running.remove(request)
-        request.status, request.num_computed = Status.WAITING, 0
+        request.status, request.num_computed, request.proposal = Status.WAITING, 0, None
         self.waiting.appendleft(request)
         self.preemptions += 1
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from model.compressor import CompressorState
 from model.config import ModelConfig
 from model.plan import build_plan
 
@@ -109,12 +110,32 @@ class SeqCache:
     """One request's block tables and dense state."""
 
     tables: dict[str, list[int]]  # group name -> block ids, -1 where freed
-    compressors: dict[int, object] = field(default_factory=dict)  # layer -> compressor state
-    indexers: dict[int, object] = field(
-        default_factory=dict
-    )  # V4 CSA layer -> its indexer's compressor state
+    compressors: dict[int, CompressorState] = field(default_factory=dict)  # layer -> its compressor's
+    indexers: dict[int, CompressorState] = field(default_factory=dict)  # V4 CSA layer -> its indexer's
     engram_history: torch.Tensor | None = None
     num_tokens: int = 0
+    checkpoint: tuple[int, torch.Tensor | None] | None = None  # (num_tokens, engram_history) at ``speculate``
+
+    def speculate(self) -> None:
+        """The next call may be partly rolled back (speculative decoding): remember where it starts."""
+        self.checkpoint = (self.num_tokens, self.engram_history)
+        for state in (*self.compressors.values(), *self.indexers.values()):
+            state.speculate()
+
+    def rollback(self, keep: int) -> torch.Tensor | None:
+        """Keep the first ``keep`` tokens of the call since ``speculate``: the dense state as if only they had
+        come. Pool rows written for later tokens stay but are never read: no position or entry past the
+        request's tokens is visible, and a later call writes them again before reading. Returns the Engram
+        history at ``speculate`` (the model advances it over the kept tokens)."""
+        if self.checkpoint is None:
+            raise ValueError("rollback without speculate")
+        (start, history), self.checkpoint = self.checkpoint, None
+        if not 0 <= keep <= self.num_tokens - start:
+            raise ValueError(f"keep={keep} must be in [0, {self.num_tokens - start}] (tokens of the call)")
+        for state in (*self.compressors.values(), *self.indexers.values()):
+            state.rollback(keep)
+        self.num_tokens = start + keep
+        return history
 
 
 @dataclass

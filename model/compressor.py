@@ -10,7 +10,8 @@ the entries of a one-shot pass.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import copy
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -20,11 +21,42 @@ from triton_kernels.compressor import CompressBatch, CompressorParams, Compresso
 
 
 @dataclass
+class Journal:
+    """A call that may be partly rolled back: the state before it and the projections it consumed."""
+
+    saved: CompressorStates
+    num_tokens: int
+    params: CompressorParams | None = None
+    kv: list[torch.Tensor] = field(default_factory=list)
+    gate: list[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass
 class CompressorState:
     """One request: the op's state (its open window and overlap slice, row 0) and the tokens seen."""
 
     pending: CompressorStates
     num_tokens: int = 0
+    journal: Journal | None = None
+
+    def speculate(self) -> None:
+        """Journal the next calls, so that ``rollback`` can keep a prefix of their tokens."""
+        self.journal = Journal(copy.deepcopy(self.pending), self.num_tokens)
+
+    def rollback(self, keep: int) -> None:
+        """The state as if only the first ``keep`` tokens since ``speculate`` had come: the saved state
+        advanced by the op over their journaled projections (storing no entry: those are in the pool)."""
+        journal, self.journal = self.journal, None
+        if journal is None or journal.num_tokens + keep == self.num_tokens:
+            return
+        self.pending, self.num_tokens = journal.saved, journal.num_tokens + keep
+        if keep and journal.params is not None:
+            kv = torch.cat(journal.kv)[:keep]
+            gate = torch.cat(journal.gate)[:keep] if journal.gate else None
+            slots = torch.full((keep,), -1, dtype=torch.int32, device=kv.device)
+            batch = CompressBatch.single(journal.num_tokens, slots)
+            scratch = torch.empty(1, journal.params.norm_weight.numel(), device=kv.device)
+            compress(kv, gate, batch, self.pending, journal.params, scratch)
 
 
 class Compressor(nn.Module):
@@ -64,7 +96,11 @@ class Compressor(nn.Module):
         params = CompressorParams(
             self.ratio, self.overlap, self.norm.weight, self.norm.eps, getattr(self, "ape", None), inv_freq
         )
-        gate = self.wgate(x) if self.ratio > 1 else None
-        compress(self.wkv(x), gate, CompressBatch.single(start, slots), state.pending, params, entries)
+        kv, gate = self.wkv(x), self.wgate(x) if self.ratio > 1 else None
+        if state.journal is not None:
+            state.journal.params = params
+            state.journal.kv.append(kv)
+            state.journal.gate.extend([] if gate is None else [gate])
+        compress(kv, gate, CompressBatch.single(start, slots), state.pending, params, entries)
         state.num_tokens += x.shape[0]
         return entries, first

@@ -13,7 +13,7 @@ from torch import nn
 
 from model.attention import V4Attention
 from model.block import MhcBlock
-from model.cache import Batch, SequenceState
+from model.cache import Batch, SeqCache, SequenceState
 from model.config import ModelConfig
 from model.layers import RMSNorm, RopeFrequencies, check_token_ids, linear
 from model.plan import LayerPlan, build_plan
@@ -144,9 +144,17 @@ class DeepseekV4(nn.Module):
     def logits(self, streams: torch.Tensor) -> torch.Tensor:
         return self.head(self.norm(self.hc_head.collapse(streams))).float()
 
-    def batch_logits(self, ids: torch.Tensor, batch: Batch, rows: torch.Tensor) -> torch.Tensor:
-        """Logits ``[len(rows), V]`` at token ``rows`` of a flat multi-request batch (the engine's step)."""
-        return self.logits(self.batch_streams(ids, batch)[rows])
+    def batch_forward(
+        self, ids: torch.Tensor, batch: Batch, rows: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The engine's step over a flat multi-request batch: logits ``[len(rows), V]`` at token ``rows``
+        and what the MTP head reads for every token, the backbone streams ``[T, n, D]``."""
+        streams = self.batch_streams(ids, batch)
+        return self.logits(streams[rows]), streams
+
+    def rollback(self, seq: SeqCache, kept: torch.Tensor) -> None:
+        """Keep only the tokens ``kept`` of the request's call since ``seq.speculate()``."""
+        seq.rollback(kept.numel())
 
     def forward(
         self, ids: torch.Tensor, state: SequenceState | None = None, last_only: bool = False

@@ -15,7 +15,7 @@ from torch import nn
 
 from model.attention_v41 import Published, V41Attention
 from model.block import MhcBlock, one_hot_premix
-from model.cache import Batch, SequenceState
+from model.cache import Batch, SeqCache, SequenceState
 from model.config import ModelConfig
 from model.dspark import DSpark
 from model.engram import Engram, EngramConfig, EngramHasher
@@ -123,19 +123,26 @@ class DeepseekV41(nn.Module):
             return None
         parts = []
         for seq, (lo, hi) in zip(batch.seqs, batch.bounds, strict=True):
-            history = seq.engram_history
-            if history is None:
-                history = torch.zeros(0, dtype=torch.int64, device=ids.device)
-            buckets, seq.engram_history = self.hasher(ids[lo:hi], history)
+            buckets, seq.engram_history = self.hasher(ids[lo:hi], _history(seq.engram_history, ids.device))
             parts.append(buckets)
         return torch.cat(parts)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head(self.norm(hidden)).float()
 
-    def batch_logits(self, ids: torch.Tensor, batch: Batch, rows: torch.Tensor) -> torch.Tensor:
-        """Logits ``[len(rows), V]`` at token ``rows`` of a flat multi-request batch (the engine's step)."""
-        return self.logits(self.run_batch(ids, batch).hidden[rows])
+    def batch_forward(
+        self, ids: torch.Tensor, batch: Batch, rows: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The engine's step over a flat multi-request batch: logits ``[len(rows), V]`` at token ``rows``
+        and what DSpark reads for every token, the target features ``[T, n_targets, D]``."""
+        out = self.run_batch(ids, batch)
+        return self.logits(out.hidden[rows]), out.target_features
+
+    def rollback(self, seq: SeqCache, kept: torch.Tensor) -> None:
+        """Keep only the tokens ``kept`` of the request's call since ``seq.speculate()``."""
+        history = seq.rollback(kept.numel())
+        if self.hasher is not None:
+            _, seq.engram_history = self.hasher(kept, _history(history, kept.device))
 
     def forward(
         self, ids: torch.Tensor, state: SequenceState | None = None, last_only: bool = False
@@ -143,3 +150,8 @@ class DeepseekV41(nn.Module):
         """Logits ``[S, V]`` (fp32) for token ids ``[S]``; ``[1, V]`` of the last one with ``last_only``."""
         hidden = self.run(ids, state).hidden
         return self.logits(hidden[-1:] if last_only else hidden)
+
+
+def _history(history: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """A request's Engram look-back: none before its first token."""
+    return torch.zeros(0, dtype=torch.int64, device=device) if history is None else history

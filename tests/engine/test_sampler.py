@@ -25,9 +25,10 @@ def test_top_k_top_p_min_p():
 def test_penalties():
     request = Request([0, 3], SamplingParams(), output=[4, 4])
     logits = torch.tensor([1.0, 1.0, 1.0, -1.0, 2.0])
-    out = penalize(logits, request, SamplingParams(repetition_penalty=2.0))
+    out = penalize(logits, request.prompt, request.output, SamplingParams(repetition_penalty=2.0))
     assert out.tolist() == [0.5, 1.0, 1.0, -2.0, 1.0]
-    out = penalize(logits, request, SamplingParams(presence_penalty=0.5, frequency_penalty=0.25))
+    params = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)
+    out = penalize(logits, request.prompt, request.output, params)
     assert out.tolist() == [1.0, 1.0, 1.0, -1.0, 1.0]
 
 
@@ -47,8 +48,8 @@ def test_seeded_requests_sample_the_same_whatever_the_batch():
         requests.insert(position, target)
         tokens = []
         for _ in range(20):
-            out = sampler(logits.expand(len(requests), -1), requests)
-            tokens.append(out[position][0])
+            out = [sampler(r, logits) for r in requests]
+            tokens.append(out[position][0][0])
         return tokens
 
     assert run(1, 0) == run(5, 3) == run(3, 1)
@@ -57,7 +58,7 @@ def test_seeded_requests_sample_the_same_whatever_the_batch():
 def test_greedy_ignores_temperature_filters():
     sampler = Sampler()
     request = Request([1], SamplingParams(temperature=0.0, top_k=1, logprobs=1))
-    [(token, logprobs)] = sampler(LOGITS[None], [request])
+    [(token, logprobs)] = sampler(request, LOGITS[None])
     assert token == 4 and set(logprobs) == {4}
 
 
@@ -90,7 +91,8 @@ def test_logits_processor_sees_the_output_and_masks_before_sampling():
 
     sampled = Request([0], SamplingParams(temperature=1.0, seed=3), output=[2], logits_processor=only_token_1)
     greedy = Request([0], SamplingParams(temperature=0.0, logprobs=1), logits_processor=only_token_1)
-    out = Sampler()(torch.stack([LOGITS, LOGITS]), [sampled, greedy])
+    sampler = Sampler()
+    out = [sampler(r, LOGITS[None])[0] for r in (sampled, greedy)]
     assert [token for token, _ in out] == [1, 1]
     assert seen == [[2], []]
     assert out[1][1] == top_logprobs(LOGITS, 1, 1)  # logprobs stay those of the model
@@ -98,4 +100,4 @@ def test_logits_processor_sees_the_output_and_masks_before_sampling():
 
 def test_a_vanishing_temperature_samples_greedily():
     request = Request([0], SamplingParams(temperature=1e-308))
-    assert Sampler()(LOGITS[None], [request])[0][0] == int(LOGITS.argmax())
+    assert Sampler()(request, LOGITS[None])[0][0] == int(LOGITS.argmax())

@@ -1,0 +1,50 @@
+"""What a proposer sees after a step and hands back; the scripted proposer (tests, benchmarks)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from engine.request import Proposal, Request
+from model.cache import SeqCache
+
+
+@dataclass
+class Observation:
+    """One request's chunk of the step that just ran, cut to the tokens it committed."""
+
+    request: Request
+    seq: SeqCache  # its cache (tables, and the position it has reached)
+    start: int  # position of the chunk's first token
+    features: torch.Tensor  # [committed, ...]: the draft head's input for each committed token
+    num_drafts: int  # drafts wanted for the next step (0: only take the tokens in)
+
+
+class Proposer(ABC):
+    lookahead: int = 0  # KV positions past a sampling chunk that its drafting writes
+
+    @abstractmethod
+    def propose(self, observations: list[Observation]) -> list[Proposal | None]:
+        """Take the committed tokens in; a proposal for each observation that wants drafts, else None.
+
+        Every chunk of every step is observed, in order, so a proposer can keep per-request context;
+        a chunk starting at position 0 is a request starting (again, after a preemption)."""
+
+    def release(self, request_id: str) -> None:  # noqa: B027 (most proposers keep nothing per request)
+        """The request is done: forget it."""
+
+
+class ScriptedProposer(Proposer):
+    """Proposes what ``script(request, k)`` returns (at most k tokens), deterministically."""
+
+    def __init__(self, script: Callable[[Request, int], list[int]]):
+        self.script = script
+
+    def propose(self, observations: list[Observation]) -> list[Proposal | None]:
+        return [
+            Proposal(self.script(o.request, o.num_drafts)[: o.num_drafts]) if o.num_drafts else None
+            for o in observations
+        ]

@@ -1,0 +1,99 @@
+"""Rollback after a speculative call: every cache as if only the kept tokens had come (model-spec §13.23)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model.cache import SequenceState, group_name
+from model.checkpoint import load_model
+from model.plan import build_plan
+from model.tiny import cached_tiny
+
+
+@pytest.fixture(scope="module", params=["v4", "v41"])
+def model(request):
+    return load_model(cached_tiny(request.param))
+
+
+def slots_of(state: SequenceState, group: str, numbers: range) -> torch.Tensor:
+    per_block = state.store.pools.slots_per_block[group]
+    table = state.seq.tables[group]
+    return torch.tensor(
+        [table[n // per_block] * per_block + n % per_block for n in numbers], dtype=torch.long
+    )
+
+
+def assert_same_caches(model, got: SequenceState, want: SequenceState) -> None:
+    """Dense state and every pool row a later call can read, compared through each state's own tables."""
+    cfg, n = model.cfg, want.num_tokens
+    assert got.num_tokens == n
+    if want.seq.engram_history is not None:
+        assert torch.equal(got.seq.engram_history, want.seq.engram_history)
+    for name in ("compressors", "indexers"):
+        mine, theirs = getattr(got.seq, name), getattr(want.seq, name)
+        assert mine.keys() == theirs.keys()
+        for layer, state in theirs.items():
+            ratio = state.pending.buffer_kv.shape[1] + 1
+            assert mine[layer].num_tokens == state.num_tokens and mine[layer].journal is None
+            open_rows = n % ratio  # rows of the open window; the rest of the buffer is stale by design
+            for field in ("buffer_kv", "buffer_gate"):
+                a, b = getattr(mine[layer].pending, field), getattr(state.pending, field)
+                torch.testing.assert_close(a[:, :open_rows], b[:, :open_rows], rtol=1e-4, atol=1e-5)
+            if state.pending.overlap_kv is not None and n >= ratio:
+                for field in ("overlap_kv", "overlap_gate"):
+                    a, b = getattr(mine[layer].pending, field), getattr(state.pending, field)
+                    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    pools_got, pools_want = got.store.pools, want.store.pools
+    window = range(max(0, n - cfg.sliding_window), n)
+    for plan in build_plan(cfg):
+        a = pools_got.window[plan.index][slots_of(got, "window", window)]
+        b = pools_want.window[plan.index][slots_of(want, "window", window)]
+        if not plan.is_draft:
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+        if plan.has_compressor:
+            group = group_name(plan.compress_ratio)
+            entries = range(n // plan.compress_ratio)
+            for pools in ("entries", "index_keys"):
+                if plan.index in getattr(pools_want, pools):
+                    a = getattr(pools_got, pools)[plan.index][slots_of(got, group, entries)]
+                    b = getattr(pools_want, pools)[plan.index][slots_of(want, group, entries)]
+                    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("prompt_len", "keep"),
+    [
+        (125, 1),  # only the pending token: the call had closed windows of ratios 2, 4 and 128
+        (125, 2),  # rejected the token that closes the ratio-4 and ratio-128 windows (position 127)
+        (125, 3),  # kept the closing token, rejected the one right after it
+        (126, 5),
+        (125, 6),  # everything kept
+    ],
+)
+def test_rollback_equals_a_run_over_the_kept_tokens(model, prompt_len, keep):
+    gen = torch.Generator().manual_seed(prompt_len)
+    ids = torch.randint(3, model.cfg.vocab_size, (prompt_len + 6,), generator=gen)
+    prompt, call = ids[:prompt_len], ids[prompt_len:]
+    spec = model.new_state()
+    model(prompt, spec)
+    spec.seq.speculate()
+    model(call, spec)
+    model.rollback(spec.seq, call[:keep])
+    plain = model.new_state()
+    model(prompt, plain)
+    model(call[:keep], plain)
+    assert_same_caches(model, spec, plain)
+    after = torch.randint(3, model.cfg.vocab_size, (5,), generator=gen)
+    torch.testing.assert_close(model(after, spec), model(after, plain), rtol=1e-4, atol=2e-5)
+
+
+def test_rollback_needs_speculate_and_a_valid_length(model):
+    state = model.new_state()
+    model(torch.tensor([5, 6, 7]), state)
+    with pytest.raises(ValueError, match="without speculate"):
+        state.seq.rollback(1)
+    state.seq.speculate()
+    model(torch.tensor([8, 9]), state)
+    with pytest.raises(ValueError, match=r"keep=3 must be in \[0, 2\]"):
+        state.seq.rollback(3)
