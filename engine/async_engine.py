@@ -197,3 +197,5 @@ class AsyncEngine:
             cache.num_blocks,
             scheduler.preemptions,
         )
+        if self.engine.proposer is not None:
+            self.metrics.observe_spec_decode(self.engine.spec_stats)

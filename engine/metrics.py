@@ -1,7 +1,8 @@
 """Prometheus metrics of the server (`GET /metrics`), in a registry of their own.
 
 Counters count sequences (an `n=2` request is two); `deepseek_http_requests_total` counts HTTP requests by
-endpoint and status code. Speculative-decoding acceptance will join once the engine speculates.
+endpoint and status code. With speculative decoding, the drafted and accepted tokens, the acceptance
+rate per draft position and the mean accepted length (tokens per verifying step) join them.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from engine.spec_decode.stats import SpecDecodeStats
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 _TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12)
@@ -32,6 +35,15 @@ class Metrics:
         self._kv_usage = self._metric(Gauge, "kv_cache_usage_ratio", "Share of KV cache blocks held", "group")
         self.preemptions = self._metric(Counter, "preemptions", "Sequences preempted for lack of KV cache")
         self._preempted = 0
+        self._drafted = self._metric(Counter, "spec_decode_draft_tokens", "Draft tokens verified")
+        self._accepted = self._metric(Counter, "spec_decode_accepted_tokens", "Draft tokens accepted")
+        self._acceptance = self._metric(
+            Gauge, "spec_decode_acceptance_rate", "Accepted / drafted at each draft position", "position"
+        )
+        self._mean_length = self._metric(
+            Gauge, "spec_decode_mean_accepted_length", "Tokens per verifying step (accepted drafts + 1)"
+        )
+        self._counted = SpecDecodeStats()
 
     def _metric(self, kind: type, name: str, doc: str, *labels: str) -> Any:
         extra = {}
@@ -52,6 +64,14 @@ class Metrics:
             self._kv_usage.labels(self.model_name, group).set(blocks / num_blocks)
         self.preemptions.inc(preemptions - self._preempted)
         self._preempted = preemptions
+
+    def observe_spec_decode(self, stats: SpecDecodeStats) -> None:
+        self._drafted.inc(stats.drafted - self._counted.drafted)
+        self._accepted.inc(stats.accepted - self._counted.accepted)
+        self._counted = SpecDecodeStats(stats.verify_steps, stats.drafted, stats.accepted)
+        for position, rate in enumerate(stats.acceptance_rate):
+            self._acceptance.labels(self.model_name, str(position)).set(rate)
+        self._mean_length.set(stats.mean_accepted_length)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

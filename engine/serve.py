@@ -27,6 +27,7 @@ from engine.metrics import Metrics
 from engine.openai_chat import chat_completions
 from engine.openai_protocol import APIError
 from engine.openai_server import OpenAIServer
+from engine.spec_decode import SPECULATIVE_METHODS
 from model.checkpoint import load_model
 from model.tiny import cached_tiny
 from model.tokenizer import load_tokenizer
@@ -138,15 +139,25 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kv-cache-memory", type=parse_size, default=EngineConfig.kv_cache_memory,
                         help="bytes for the KV cache blocks, e.g. 256MiB (default) or 8GiB")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="seeds the requests that bring no seed")
+    parser.add_argument("--speculative-method", choices=SPECULATIVE_METHODS,
+                        help="draft with the MTP layer (V4) or the DSpark stages (V4.1)")  # fmt: skip
+    parser.add_argument("--num-speculative-tokens", type=int,
+                        help="drafts per step (default: 1 for mtp, the block for dspark)")  # fmt: skip
+    parser.add_argument("--dspark-min-confidence", type=float, default=0.0,
+                        help="verify the longest DSpark draft prefix whose confidence product stays at or "
+                        "above this (default 0: every draft)")  # fmt: skip
     parser.add_argument("--torch-threads", type=int, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     args = parser.parse_args(argv)
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     path = Path(args.model) if args.model else cached_tiny("v41")
-    config = EngineConfig(args.max_num_seqs, args.max_num_batched_tokens, args.max_model_len,
-                          kv_cache_memory=args.kv_cache_memory, seed=args.seed)  # fmt: skip
     try:
+        config = EngineConfig(args.max_num_seqs, args.max_num_batched_tokens, args.max_model_len,
+                              kv_cache_memory=args.kv_cache_memory, seed=args.seed,
+                              speculative_method=args.speculative_method,
+                              num_speculative_tokens=args.num_speculative_tokens,
+                              dspark_min_confidence=args.dspark_min_confidence)  # fmt: skip
         engine = LLMEngine(load_model(path), load_tokenizer(path), config)
     except (ValueError, FileNotFoundError) as err:
         parser.error(str(err))

@@ -1,4 +1,7 @@
-"""One server for the whole server suite: `python -m engine.serve` on 127.0.0.1 in a subprocess."""
+"""One server for the whole server suite: `python -m engine.serve` on 127.0.0.1 in a subprocess.
+
+It speculates with the tiny V4.1's DSpark head, so every API path also runs through draft verification.
+"""
 
 from __future__ import annotations
 
@@ -92,6 +95,10 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         "64",
         "--torch-threads",
         "1",
+        "--speculative-method",
+        "dspark",
+        "--num-speculative-tokens",
+        "2",
         "--log-level",
         "warning",
     ]

@@ -50,6 +50,7 @@ def test_64_concurrent_streams_complete_and_are_counted(server: Served):
         "generated": count("deepseek_generation_tokens_total"),
         "ttft": count("deepseek_time_to_first_token_seconds_count"),
         "e2e": count("deepseek_e2e_request_latency_seconds_count"),
+        "drafted": count("deepseek_spec_decode_draft_tokens_total"),
     }
     start = time.monotonic()
     results = asyncio.run(load(server.url))
@@ -65,4 +66,10 @@ def test_64_concurrent_streams_complete_and_are_counted(server: Served):
     assert count("deepseek_time_to_first_token_seconds_count") == before["ttft"] + 64
     assert count("deepseek_e2e_request_latency_seconds_count") == before["e2e"] + 64
     server.wait_idle()
+    # Every request decodes 3 tokens after its first, each step verifying up to 2 DSpark drafts.
+    assert count("deepseek_spec_decode_draft_tokens_total") >= before["drafted"] + 64 * 2
+    accepted = count("deepseek_spec_decode_accepted_tokens_total")
+    assert 0 <= accepted <= count("deepseek_spec_decode_draft_tokens_total")
+    assert count("deepseek_spec_decode_mean_accepted_length") >= 1.0
+    assert 0 <= count("deepseek_spec_decode_acceptance_rate", position="0") <= 1
     print(f"64 concurrent streams of {MAX_TOKENS} tokens: {elapsed:.1f} s")
