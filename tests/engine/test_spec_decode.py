@@ -9,6 +9,8 @@ import torch
 
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.request import Proposal, Request, SamplingParams
+from engine.sampler import Sampler
+from engine.spec_decode.dspark import DSparkProposer
 from engine.spec_decode.proposer import Observation, Proposer, ScriptedProposer
 from model.checkpoint import load_model
 from model.tiny import cached_tiny
@@ -202,3 +204,28 @@ def test_bad_speculative_config(tiny):
     if arch == "v41":
         with pytest.raises(ValueError, match=r"num_speculative_tokens=6 must be in \[1, 5\]"):
             LLMEngine(model, tokenizer, EngineConfig(speculative_method="dspark", num_speculative_tokens=6))
+
+
+def test_dspark_confidence_picks_the_verify_length():
+    """With a threshold, a request verifies the longest prefix whose confidence product stays above it."""
+    model = load_model(cached_tiny("v41"))
+    prompt = prompts(model.cfg.vocab_size)[6]
+    committed = torch.tensor(prompt[:-1])
+    features = model.run(committed).target_features
+    inv_freq = model.rope(model.mtp[0].plan.rope)
+    state = model.mtp.new_state(committed.device)
+    model.mtp.add_context(features, state, inv_freq)
+    survival = torch.cumprod(
+        model.mtp.propose(prompt[-1], state, model.embed, model.head, inv_freq).confidence, 0
+    )
+    assert torch.all(survival[1:] <= survival[:-1])
+    thresholds = [
+        (0.0, 5),
+        *((float(s), k + 1) for k, s in enumerate(survival)),
+        (float(survival[0]) + 1e-6, 0),
+    ]
+    for threshold, want in thresholds:
+        proposer = DSparkProposer(model, Sampler(), 5, min_confidence=threshold)
+        request = Request(prompt[:-1], GREEDY, output=prompt[-1:])
+        [proposal] = proposer.propose([Observation(request, None, 0, features, 5)])
+        assert (len(proposal.tokens) if proposal else 0) == want, threshold
