@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_kernels import runtime
+from triton_kernels import runtime, tuning
 from triton_kernels.quant import quantize_int8_ref
 from triton_kernels.rmsnorm import rms_norm_ref
 from triton_kernels.rope import apply_rope_ref
@@ -643,8 +643,8 @@ _COMPRESS_CONFIGS = (
 _STATE_CONFIGS = tuple(
     TuneConfig({"BLOCK_S": bs, "BLOCK_C": bc}, _state_ub(bs, bc)) for bs, bc in ((4, 512), (16, 128))
 )
-_compress_tuned = runtime.autotune(_COMPRESS_CONFIGS, key=["C", "W", "R"])(_compress_kernel)
-_state_tuned = runtime.autotune(_STATE_CONFIGS, key=["W", "R"])(_compress_state_kernel)
+_compress_tuned = tuning.TunedKernel(_compress_kernel, _COMPRESS_CONFIGS, key=["C", "W", "R"])
+_state_tuned = tuning.TunedKernel(_compress_state_kernel, _STATE_CONFIGS, key=["W", "R"])
 
 
 def _compress_signature(x: str, out: str) -> dict[str, str]:

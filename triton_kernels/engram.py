@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_kernels import runtime
+from triton_kernels import runtime, tuning
 from triton_kernels.spec import KernelSpec, TuneConfig
 
 _TABLE_DTYPES = (torch.float32, torch.bfloat16)
@@ -301,8 +301,8 @@ def _hash_ub(block_s: int) -> int:
 _HASH_CONFIGS = tuple(TuneConfig({"BLOCK_S": bs}, _hash_ub(bs)) for bs in (64, 256))
 # The loaded row tile and its copy to the store.
 _GATHER_CONFIGS = tuple(TuneConfig({"BLOCK_D": bd}, 4 * 2 * bd) for bd in (256, 1024))
-_engram_hash_tuned = runtime.autotune(_HASH_CONFIGS, key=["N_MAX", "HEADS"])(_engram_hash_kernel)
-_engram_gather_tuned = runtime.autotune(_GATHER_CONFIGS, key=["D"])(_engram_gather_kernel)
+_engram_hash_tuned = tuning.TunedKernel(_engram_hash_kernel, _HASH_CONFIGS, key=["N_MAX", "HEADS"])
+_engram_gather_tuned = tuning.TunedKernel(_engram_gather_kernel, _GATHER_CONFIGS, key=["D"])
 
 _HASH_SIGNATURE = {
     **dict.fromkeys(("cid_ptr", "limb_ptr", "prime_ptr", "offset_ptr", "out_ptr"), "*i32"),

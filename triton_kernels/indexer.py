@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_kernels import runtime, topk
+from triton_kernels import runtime, topk, tuning
 from triton_kernels.spec import KernelSpec, TuneConfig
 from triton_kernels.topk import candidate_blocks_ref, check_candidate_geometry, check_k, check_tensor
 
@@ -511,11 +511,11 @@ _LOGITS_FLOAT = (_config(16, 4), _config(64, 4, multibuffer=False))
 _LOGITS_INT8 = (_config(32, 1), _config(128, 1, multibuffer=False))
 _TOPK_FLOAT = (_config(16, 4, 512), _config(32, 4, 1024, multibuffer=False))
 _TOPK_INT8 = (_config(32, 1, 512), _config(64, 1, 1024, multibuffer=False))
-_logits_float = runtime.autotune(_LOGITS_FLOAT, key=["H", "D"])(_indexer_logits_kernel)
-_logits_int8 = runtime.autotune(_LOGITS_INT8, key=["H", "D"])(_indexer_logits_kernel)
+_logits_float = tuning.TunedKernel(_indexer_logits_kernel, _LOGITS_FLOAT, ["H", "D"], "logits_float")
+_logits_int8 = tuning.TunedKernel(_indexer_logits_kernel, _LOGITS_INT8, ["H", "D"], "logits_int8")
 _TOPK_TUNED = tuple(
-    runtime.autotune(configs, key=["H", "D", "MODE", "CAND_BLOCK"])(_indexer_topk_kernel)
-    for configs in (_TOPK_FLOAT, _TOPK_INT8)
+    tuning.TunedKernel(_indexer_topk_kernel, configs, ["H", "D", "MODE", "CAND_BLOCK"], f"topk_{kind}")
+    for kind, configs in (("float", _TOPK_FLOAT), ("int8", _TOPK_INT8))
 )
 
 _OPERANDS = ("q_ptr", "qs_ptr", "w_ptr", "k_ptr", "ks_ptr")

@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_kernels import runtime
+from triton_kernels import runtime, tuning
 from triton_kernels.spec import KernelSpec, TuneConfig
 
 _DTYPES = (torch.float32, torch.bfloat16)
@@ -414,9 +414,9 @@ _MIX_CONFIGS = (
 _COLLAPSE_CONFIGS = tuple(TuneConfig({"BLOCK_D": bd}, 4 * 3 * bd) for bd in (512, 2048))
 _UPDATE_CONFIGS = tuple(TuneConfig({"BLOCK_D": bd}, 4 * (2 * _NP * bd + 3 * bd)) for bd in (512, 2048))
 
-_hc_mix_tuned = runtime.autotune(_MIX_CONFIGS, key=["n", "K", "HEAD"])(_hc_mix_kernel)
-_hc_collapse_tuned = runtime.autotune(_COLLAPSE_CONFIGS, key=["n", "D"])(_hc_collapse_kernel)
-_hc_update_tuned = runtime.autotune(_UPDATE_CONFIGS, key=["n", "D"])(_hc_update_kernel)
+_hc_mix_tuned = tuning.TunedKernel(_hc_mix_kernel, _MIX_CONFIGS, key=["n", "K", "HEAD"])
+_hc_collapse_tuned = tuning.TunedKernel(_hc_collapse_kernel, _COLLAPSE_CONFIGS, key=["n", "D"])
+_hc_update_tuned = tuning.TunedKernel(_hc_update_kernel, _UPDATE_CONFIGS, key=["n", "D"])
 
 _INTS = dict.fromkeys(("T", "n"), "i32")
 

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_kernels import runtime
+from triton_kernels import runtime, tuning
 from triton_kernels.spec import KernelSpec, TuneConfig
 
 MAX_DIM = 1024
@@ -84,7 +84,7 @@ def quantize_int8_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # Per element: the loaded tile, its fp32 copy, |x|, the quotient, the rounded int32 and int8 tiles.
 # The smallest tile holds a row of MAX_DIM.
 _CONFIGS = tuple(TuneConfig({"BLOCK": b}, 6 * 4 * b) for b in (MAX_DIM, 2 * MAX_DIM))
-_quantize_tuned = runtime.autotune(_CONFIGS, key=["D"])(_quantize_int8_kernel)
+_quantize_tuned = tuning.TunedKernel(_quantize_int8_kernel, _CONFIGS, key=["D"])
 
 KERNELS: tuple[KernelSpec, ...] = (
     KernelSpec(

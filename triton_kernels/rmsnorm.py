@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_kernels import runtime
+from triton_kernels import runtime, tuning
 from triton_kernels.spec import KernelSpec, TuneConfig
 
 _DTYPES = (torch.float32, torch.bfloat16)
@@ -119,7 +119,7 @@ _CONFIGS = tuple(
     TuneConfig({"BLOCK_M": bm, "BLOCK_N": bn}, _ub_bytes(bm, bn))
     for bm, bn in ((1, 4096), (4, 1024), (16, 256))
 )
-_rms_norm_tuned = runtime.autotune(_CONFIGS, key=["N"])(_rms_norm_kernel)
+_rms_norm_tuned = tuning.TunedKernel(_rms_norm_kernel, _CONFIGS, key=["N"])
 
 
 def _signature(x: str, w: str) -> dict[str, str]:

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_kernels import runtime
+from triton_kernels import runtime, tuning
 from triton_kernels.spec import KernelSpec, TuneConfig
 
 _DTYPES = (torch.float32, torch.bfloat16)
@@ -212,7 +212,7 @@ _CONFIGS = tuple(
     TuneConfig({"BLOCK_R": br, "BLOCK_D": bd}, _ub_bytes(br, bd))
     for br, bd in ((4, 512), (16, 512), (64, 128))
 )
-_rope_tuned = runtime.autotune(_CONFIGS, key=["D", "HALF"])(_rope_kernel)
+_rope_tuned = tuning.TunedKernel(_rope_kernel, _CONFIGS, key=["D", "HALF"])
 
 
 def _signature(x: str, pos: str) -> dict[str, str]:

@@ -1,4 +1,4 @@
-"""Where the operators run: backend, device, core counts and on-chip budget, plus launch helpers.
+"""Where the operators run: backend, device SKU, core counts and on-chip budget, plus the launch grid.
 
 The backend is decided once per process: ``npu`` when ``torch_npu`` imports and sees a device,
 ``cuda`` when torch sees a GPU, ``cpu`` otherwise. Public operators run their Triton kernel only on
@@ -6,25 +6,25 @@ tensors living on an NPU or a GPU (``use_triton``); on CPU they run the torch re
 Triton launchers are exercised directly under ``TRITON_INTERPRET=1`` in tests. ``DSV4_FORCE_TORCH=1``
 sends every operator to its torch reference, for debugging; ``DSV4_TRITON_ON_CPU=1`` together with
 ``TRITON_INTERPRET=1`` sends CPU tensors to the Triton kernels instead (a whole model on the interpreter).
+
+The SKU (``sku()``) is the device name made path-safe; ``DSV4_SKU`` overrides it (tests and sweeps
+switch profiles with it). Core counts and the on-chip budget come from the SKU's profile
+(``triton_kernels.sku``): for the detected device the driver's answers replace the table's, for an
+overridden SKU the table alone speaks, so a test sees exactly the profile it names.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
-import time
-from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 import triton
 
+from triton_kernels.sku import ASCEND_UB_BYTES, CPU, PROFILES, SkuProfile, find_profile, slug
 from triton_kernels.spec import KernelSpec, TuneConfig
 
-ASCEND_UB_BYTES = 192 * 1024
-# Used when the driver cannot be asked (it fails on machines without the device's runtime).
-_ASCEND_AICORES = {"Ascend910B3": 20, "Ascend910B4": 20}
-_DEFAULT_ASCEND_AICORES = 24
 _CUDA_SMEM_FALLBACK = 227 * 1024
 _MAX_GRID = 65535
 _TRUE = ("1", "true", "yes", "on")
@@ -73,9 +73,25 @@ def device_name() -> str:
     return "cpu"
 
 
+def sku() -> str:
+    return slug(os.environ.get("DSV4_SKU") or device_name())
+
+
+def profile() -> SkuProfile:
+    """The profile of ``sku()``. An overridden SKU must be in the table."""
+    forced = os.environ.get("DSV4_SKU")
+    if not forced:
+        return _detected_profile()
+    found = find_profile(slug(forced))
+    if found is None:
+        known = ", ".join(p.name for p in PROFILES)
+        raise ValueError(f"DSV4_SKU: {forced!r} matches no SKU profile (known: {known})")
+    return found
+
+
 @functools.cache
 def _driver_properties() -> dict[str, int]:
-    # The NPU driver needs CANN at run time; a failed query falls back to tables.
+    # The NPU driver needs CANN at run time; a failed query falls back to the table.
     try:
         device = torch.npu.current_device() if backend() == "npu" else torch.cuda.current_device()
         return dict(triton.runtime.driver.active.utils.get_device_properties(device))
@@ -84,31 +100,35 @@ def _driver_properties() -> dict[str, int]:
 
 
 @functools.cache
-def num_aicore() -> int:
-    kind = backend()
+def _detected_profile() -> SkuProfile:
+    name, kind = slug(device_name()), backend()
+    if kind == "cpu":
+        return CPU
+    base = find_profile(name)
+    props = _driver_properties()
     if kind == "npu":
-        fallback = _ASCEND_AICORES.get(device_name(), _DEFAULT_ASCEND_AICORES)
-        return int(_driver_properties().get("num_aicore", fallback))
-    if kind == "cuda":
-        return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-    # Interpreted programs cost ~1.3 ms each: few programs keep tests fast.
-    return min(4, os.cpu_count() or 1)
+        # An unknown Ascend SKU is taken for a 24-core A2/A3 die unless the driver answers.
+        base = base or SkuProfile(name, 24, 48, ASCEND_UB_BYTES)
+        aicores = int(props.get("num_aicore", base.aicores))
+        vectorcores = int(props.get("num_vectorcore", base.vectorcores))
+        return dataclasses.replace(base, aicores=aicores, vectorcores=vectorcores)
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    base = base or SkuProfile(name, sms, sms, _CUDA_SMEM_FALLBACK)
+    smem = int(props.get("max_shared_mem", base.onchip_bytes))
+    return dataclasses.replace(base, aicores=sms, vectorcores=sms, onchip_bytes=smem)
 
 
-@functools.cache
+def num_aicore() -> int:
+    return profile().aicores
+
+
 def num_vectorcore() -> int:
-    if backend() == "npu":
-        return int(_driver_properties().get("num_vectorcore", 2 * num_aicore()))
-    return num_aicore()
+    return profile().vectorcores
 
 
-@functools.cache
 def onchip_bytes() -> int:
     """Per-program on-chip budget that tune configs are checked against."""
-    if backend() == "cuda":
-        return int(_driver_properties().get("max_shared_mem", _CUDA_SMEM_FALLBACK))
-    # CPU checks against the Ascend budget so a config rejected on the NPU is rejected in tests too.
-    return ASCEND_UB_BYTES
+    return profile().onchip_bytes
 
 
 def fits(config: TuneConfig) -> bool:
@@ -116,34 +136,6 @@ def fits(config: TuneConfig) -> bool:
 
 
 def grid(spec: KernelSpec, n_tasks: int) -> tuple[int]:
-    """Persistent 1-D grid: one program per core that the kernel kind runs on, never more than tasks."""
+    """Persistent 1-D grid: one program per core of the kind the kernel runs on, never more than tasks."""
     cores = num_aicore() if spec.uses_cube else num_vectorcore()
     return (max(1, min(n_tasks, cores, _MAX_GRID)),)
-
-
-def _timer_bench(fn: Callable[[], Any], quantiles: Sequence[float] | None = None, **_: Any) -> Any:
-    start = time.perf_counter()
-    fn()
-    ms = (time.perf_counter() - start) * 1e3
-    return [ms] * len(quantiles) if quantiles else ms
-
-
-def _do_bench(fn: Callable[[], Any], quantiles: Sequence[float] | None = None) -> Any:
-    # Device benchmarking needs an active driver, which neither the interpreter nor a CPU has.
-    if interpreter_active() or backend() == "cpu":
-        return _timer_bench(fn, quantiles)
-    return triton.testing.do_bench(fn, quantiles=quantiles)
-
-
-def autotune(configs: Sequence[TuneConfig], key: list[str]) -> Callable[[Any], Any]:
-    """``triton.autotune`` over the configs that fit on chip, with a benchmark that works everywhere."""
-    fitting = [c for c in configs if fits(c)]
-    if not fitting:
-        smallest = min(c.resident_bytes for c in configs)
-        raise ValueError(
-            f"configs: smallest resident footprint {smallest} B exceeds budget {onchip_bytes()} B"
-        )
-    # multibuffer is an Ascend compile option; the interpreter and CUDA reject unknown launch keywords.
-    npu = backend() == "npu"
-    tuned = [triton.Config({**c.params, **({"multibuffer": c.multibuffer} if npu else {})}) for c in fitting]
-    return triton.autotune(tuned, key=key, do_bench=_do_bench)

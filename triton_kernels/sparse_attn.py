@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_kernels import runtime
+from triton_kernels import runtime, tuning
 from triton_kernels.quant import dequantize_int8
 from triton_kernels.rope import apply_rope_ref
 from triton_kernels.spec import KernelSpec, TuneConfig
@@ -446,7 +446,7 @@ def sparse_attention_triton(
     _decode_tuned[
         lambda meta: runtime.grid(KERNELS[0], t * triton.cdiv(h, meta["BLOCK_H"]) * meta["SPLITS"])
     ](*operands, out, lse, part, part_ml, *sizes, **consts)
-    n_splits = _decode_tuned.best_config.kwargs["SPLITS"]
+    n_splits = _decode_tuned.last_config.params["SPLITS"]
     _merge_tuned[lambda meta: runtime.grid(KERNELS[-1], t * h)](
         part, part_ml, sink, pos, freq, out, lse, t, h, d, p, n_splits, ROPE=rope, SP=_MAX_SPLITS, DP=_pad(d)
     )
@@ -498,10 +498,10 @@ _PREFILL_CONFIGS = _attn_configs(((1, _MIN_BLOCK_H, 16),))
 _DECODE_CONFIGS = _attn_configs(tuple((s, _MIN_BLOCK_H, 16) for s in (2, 4, _MAX_SPLITS)))
 # The partial tile and its weighted copy [SP, DP], then the output row and its rotation temporaries.
 _MERGE_CONFIGS = (TuneConfig({}, 4 * (2 * _MAX_SPLITS * _DP + 8 * _DP)),)
-_prefill_tuned = runtime.autotune(_PREFILL_CONFIGS, key=["H", "D"])(_sparse_attn_kernel)
+_prefill_tuned = tuning.TunedKernel(_sparse_attn_kernel, _PREFILL_CONFIGS, ["H", "D"], "prefill")
 # Decode batches come in the fixed sizes the engine captures graphs for: tuned per batch size.
-_decode_tuned = runtime.autotune(_DECODE_CONFIGS, key=["T", "H", "D"])(_sparse_attn_kernel)
-_merge_tuned = runtime.autotune(_MERGE_CONFIGS, key=["D"])(_merge_kernel)
+_decode_tuned = tuning.TunedKernel(_sparse_attn_kernel, _DECODE_CONFIGS, ["T", "H", "D"], "decode")
+_merge_tuned = tuning.TunedKernel(_merge_kernel, _MERGE_CONFIGS, key=["D"])
 
 
 def _attn_signature(q: str, kv0: str, kv1: str) -> dict[str, str]:

@@ -1,10 +1,10 @@
 """What every op file declares about its Triton kernels.
 
-Each op module exposes ``KERNELS: tuple[KernelSpec, ...]``. The autotune helper of
-``runtime`` reads the configs (rejecting those whose footprint does not fit the on-chip
-budget) and the Ascend lowering gate reads everything, so the declaration cannot drift from
-the kernels: a ``@triton.jit`` function of ``triton_kernels`` that no spec names is an error
-of the gate.
+Each op module exposes ``KERNELS: tuple[KernelSpec, ...]``. The tuned kernels of ``tuning``
+launch with one of the configs (refusing those whose footprint does not fit the SKU's on-chip
+budget), sweeps time them, and the Ascend lowering gate reads everything, so the declaration
+cannot drift from the kernels: a ``@triton.jit`` function of ``triton_kernels`` that no spec
+names is an error of the gate.
 """
 
 from __future__ import annotations

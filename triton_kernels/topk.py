@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_kernels import runtime
+from triton_kernels import runtime, tuning
 from triton_kernels.spec import KernelSpec, TuneConfig
 
 MAX_K = 2048
@@ -277,8 +277,8 @@ def select_ub(block_s: int) -> int:
 
 
 _CONFIGS = tuple(TuneConfig({"BLOCK_S": bs}, select_ub(bs)) for bs in (512, 1024, 2048))
-_topk_tuned = runtime.autotune(_CONFIGS, key=["K"])(_topk_kernel)
-_candidate_tuned = runtime.autotune(_CONFIGS, key=["KB", "CAND_BLOCK"])(_candidate_kernel)
+_topk_tuned = tuning.TunedKernel(_topk_kernel, _CONFIGS, key=["K"])
+_candidate_tuned = tuning.TunedKernel(_candidate_kernel, _CONFIGS, key=["KB", "CAND_BLOCK"])
 
 KERNELS: tuple[KernelSpec, ...] = (
     KernelSpec(

@@ -10,7 +10,20 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_kernels import compressor, engram, indexer, mhc, quant, rmsnorm, rope, runtime, sparse_attn, topk
+from triton_kernels import (
+    compressor,
+    engram,
+    indexer,
+    mhc,
+    quant,
+    rmsnorm,
+    rope,
+    runtime,
+    sku,
+    sparse_attn,
+    topk,
+    tuning,
+)
 from triton_kernels.spec import KernelSpec, TuneConfig
 
 OP_MODULES = (rmsnorm, rope, mhc, topk, indexer, quant, sparse_attn, compressor, engram)
@@ -22,6 +35,36 @@ def test_cpu_backend_facts() -> None:
     assert runtime.num_aicore() == min(4, os.cpu_count() or 1)
     assert runtime.num_vectorcore() == runtime.num_aicore()
     assert runtime.onchip_bytes() == runtime.ASCEND_UB_BYTES == 192 * 1024
+    assert runtime.sku() == "cpu" and runtime.profile() is sku.CPU
+
+
+def test_sku_override_switches_the_profile(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DSV4_SKU", "Ascend910B3")
+    assert runtime.sku() == "Ascend910B3"
+    assert (runtime.num_aicore(), runtime.num_vectorcore(), runtime.onchip_bytes()) == (20, 40, 192 * 1024)
+    monkeypatch.setenv("DSV4_SKU", "Ascend910_9392")  # an A3 die
+    assert (runtime.profile().name, runtime.num_aicore(), runtime.num_vectorcore()) == (
+        "Ascend910_93",
+        24,
+        48,
+    )
+    monkeypatch.setenv("DSV4_SKU", "NVIDIA H100 80GB HBM3")
+    assert runtime.sku() == "NVIDIA_H100_80GB_HBM3" and runtime.profile().bf16_flops == 989e12
+    monkeypatch.setenv("DSV4_SKU", "Ascend310P")
+    with pytest.raises(ValueError, match="DSV4_SKU: 'Ascend310P' matches no SKU profile"):
+        runtime.num_aicore()
+
+
+@pytest.mark.parametrize("profile", sku.PROFILES, ids=lambda p: p.name)
+def test_persistent_grids_never_exceed_the_profile_cores(
+    profile: sku.SkuProfile, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DSV4_SKU", profile.name)
+    for module in OP_MODULES:
+        for spec in module.KERNELS:
+            cores = profile.aicores if spec.uses_cube else profile.vectorcores
+            assert runtime.grid(spec, 10**6) == (cores,)
+            assert runtime.grid(spec, 3) == (min(3, cores),)
 
 
 def test_interpreter_flag(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -74,38 +117,57 @@ def _copy_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
         tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=offs < n), mask=offs < n)
 
 
-def test_autotune_drops_configs_over_budget_and_picks_one() -> None:
-    configs = (
-        TuneConfig({"BLOCK": 16}, 64),
-        TuneConfig({"BLOCK": 64}, 256),
-        TuneConfig({"BLOCK": 1 << 20}, runtime.ASCEND_UB_BYTES),  # fits only single-buffered: dropped
-    )
-    tuned = runtime.autotune(configs, key=["n"])(_copy_kernel)
-    assert [c.kwargs for c in tuned.configs] == [{"BLOCK": 16}, {"BLOCK": 64}]
+_SMALL, _BIG = TuneConfig({"BLOCK": 16}, 64), TuneConfig({"BLOCK": 64}, 256)
+# Resident only when single-buffered: 192 KiB on the Ascend budget, so never fits doubled.
+_TOO_BIG = TuneConfig({"BLOCK": 1 << 20}, runtime.ASCEND_UB_BYTES)
+
+
+def test_tuned_kernel_without_file_launches_the_first_config_that_fits(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("DSV4_TUNED_DIR", str(tmp_path))
+    tuned = tuning.TunedKernel(_copy_kernel, (_TOO_BIG, _BIG, _SMALL), key=["n"], name="default")
     src = torch.arange(100, dtype=torch.float32)
     dst = torch.zeros_like(src)
     tuned[lambda meta: (triton.cdiv(100, meta["BLOCK"]),)](src, dst, 100)
     assert torch.equal(dst, src)
-    assert len(tuned.configs_timings) == 2
-    assert tuned.best_config.kwargs in ({"BLOCK": 16}, {"BLOCK": 64})
+    assert tuned.last_config == _BIG
+    assert tuned.op == "test_runtime" and tuning.kernels("test_runtime")["default"] is tuned
 
 
-def test_autotune_rejects_a_space_that_never_fits() -> None:
-    with pytest.raises(ValueError, match="configs: .* exceeds budget"):
-        runtime.autotune((TuneConfig({"BLOCK": 16}, runtime.ASCEND_UB_BYTES),), key=["n"])
+def test_tuned_kernel_refuses_a_space_that_never_fits(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("DSV4_TUNED_DIR", str(tmp_path))
+    tuned = tuning.TunedKernel(_copy_kernel, (_TOO_BIG,), key=["n"], name="never_fits")
+    src = torch.zeros(4)
+    with pytest.raises(ValueError, match="footprint 393216 B exceeds the on-chip budget 196608 B of cpu"):
+        tuned[(1,)](src, src, 4)
 
 
-def test_autotune_passes_multibuffer_only_on_npu(monkeypatch: pytest.MonkeyPatch) -> None:
-    configs = (TuneConfig({"BLOCK": 16}, 64, multibuffer=False),)
-    assert runtime.autotune(configs, key=["n"])(_copy_kernel).configs[0].kwargs == {"BLOCK": 16}
+def test_tuned_kernel_names_are_unique_per_op() -> None:
+    tuning.TunedKernel(_copy_kernel, (_SMALL,), key=["n"], name="twice")
+    with pytest.raises(ValueError, match="name: already taken"):
+        tuning.TunedKernel(_copy_kernel, (_SMALL,), key=["n"], name="twice")
+
+
+def test_tuned_kernel_passes_multibuffer_only_on_npu(monkeypatch: pytest.MonkeyPatch) -> None:
+    launched: list[dict[str, object]] = []
+
+    class Kernel:  # stands in for a JITFunction: records what a launch passes
+        fn, arg_names = _copy_kernel.fn, _copy_kernel.arg_names
+
+        def __getitem__(self, grid: object):
+            return lambda *args, **kwargs: launched.append(kwargs)
+
+    tuned = tuning.TunedKernel(Kernel(), (TuneConfig({"BLOCK": 16}, 64, multibuffer=False),), ["n"], "mb")
+    tuned[(1,)](None, None, 4)
     monkeypatch.setattr(runtime, "backend", lambda: "npu")
-    on_npu = runtime.autotune(configs, key=["n"])(_copy_kernel)
-    assert on_npu.configs[0].kwargs == {"BLOCK": 16, "multibuffer": False}
+    tuned[(1,)](None, None, 4)
+    assert launched == [{"BLOCK": 16}, {"BLOCK": 16, "multibuffer": False}]
 
 
-def test_timer_bench_answers_quantiles() -> None:
-    assert len(runtime._timer_bench(lambda: None, quantiles=(0.5, 0.2, 0.8))) == 3
-    assert isinstance(runtime._timer_bench(lambda: None), float)
+def test_buckets_round_key_values_up_to_powers_of_two() -> None:
+    assert (
+        tuning.bucket_of({"T": 3, "H": 64, "D": 448, "MODE": 0, "HEAD": True})
+        == "T=4,H=64,D=512,MODE=0,HEAD=1"
+    )
 
 
 def _jit_functions(module: ModuleType) -> dict[str, str]:
