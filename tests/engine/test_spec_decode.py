@@ -229,3 +229,15 @@ def test_dspark_confidence_picks_the_verify_length():
         request = Request(prompt[:-1], GREEDY, output=prompt[-1:])
         [proposal] = proposer.propose([Observation(request, None, 0, features, 5)])
         assert (len(proposal.tokens) if proposal else 0) == want, threshold
+
+
+def test_preempted_speculating_requests_start_over_cleanly(tiny, reference):
+    """A cache too small for the batch preempts requests mid-speculation: their drafts and the draft
+    head's context are dropped and rebuilt on recompute, and greedy output is unchanged."""
+    batch, outputs, _ = reference
+    probe = engine(tiny)
+    lookahead, budget = probe.lookahead, probe.config.max_num_batched_tokens
+    peak = probe.cache.max_blocks(max(LENGTHS) + MAX_TOKENS + lookahead, budget + lookahead)
+    spec = engine(tiny, kv_cache_memory=(peak + 2) * probe.cache.block_bytes)
+    assert run(spec, batch, GREEDY)[0] == outputs
+    assert spec.scheduler.preemptions > 0 and spec.spec_stats.verify_steps > 0
