@@ -7,6 +7,7 @@ import torch
 
 from model.cache import SequenceState, group_name
 from model.checkpoint import load_model
+from model.compressor import Compressor
 from model.plan import build_plan
 from model.tiny import cached_tiny
 
@@ -97,3 +98,34 @@ def test_rollback_needs_speculate_and_a_valid_length(model):
     model(torch.tensor([8, 9]), state)
     with pytest.raises(ValueError, match=r"keep=3 must be in \[0, 2\]"):
         state.seq.rollback(3)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("kernel", [False, True])
+@pytest.mark.parametrize(("ratio", "overlap", "ape"), [(4, True, True), (8, False, True), (2, False, False)])
+def test_compressor_rollback_replays_the_kept_prefix(monkeypatch, kernel, ratio, overlap, ape):
+    """The journal replays through the same ``compress`` op, on the torch reference or the Triton kernel."""
+    if kernel:
+        monkeypatch.setenv("DSV4_TRITON_ON_CPU", "1")
+    torch.manual_seed(ratio)
+    compressor = Compressor(16, 8, ratio, 1e-6, overlap=overlap, ape=ape)
+    for p in compressor.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    x = torch.randn(3 * ratio + 3, 16)
+    prompt, call = x[: 2 * ratio - 1], x[2 * ratio - 1 :]
+    for keep in (0, 1, 2, call.shape[0] - 1):
+        spec = compressor.new_state(x.device)
+        compressor.pool(prompt, spec)
+        spec.speculate()
+        compressor.pool(call, spec)
+        spec.rollback(keep)
+        plain = compressor.new_state(x.device)
+        compressor.pool(prompt, plain)
+        compressor.pool(call[:keep], plain)
+        assert spec.num_tokens == plain.num_tokens and spec.journal is None
+        # What the state is for: the next call's entries equal the ones after the kept tokens alone.
+        after = torch.randn(2 * ratio, 16)
+        got, first = compressor.pool(after, spec)
+        want, first_want = compressor.pool(after, plain)
+        assert first == first_want
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
