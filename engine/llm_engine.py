@@ -7,6 +7,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from tokenizers import Tokenizer
 
 from engine.detokenizer import IncrementalDetokenizer
@@ -14,7 +15,7 @@ from engine.kv_cache import KVCacheManager
 from engine.model_runner import ModelRunner
 from engine.request import FinishReason, Request, SamplingParams, Status
 from engine.sampler import Sampler
-from engine.scheduler import Scheduler
+from engine.scheduler import ScheduledChunk, Scheduler
 from engine.spec_decode import SPECULATIVE_METHODS, build_proposer
 from engine.spec_decode.proposer import Observation, Proposer
 from engine.spec_decode.stats import SpecDecodeStats
@@ -133,25 +134,13 @@ class LLMEngine:
         logits = iter(out.logits)
         updated, observations = [], []
         for chunk, features in zip(chunks, out.features, strict=True):
-            request, committed = chunk.request, chunk.length - chunk.num_drafts
-            samples = chunk.samples  # read before the new tokens are appended
-            if samples:
-                sampled = self.sampler(request, next(logits), request.proposal)
-                if chunk.num_drafts:
-                    accepted = len(sampled) - 1
-                    self.spec_stats.record(chunk.num_drafts, accepted)
-                    committed += accepted
-                    self.runner.rollback(chunk, committed)
-                request.proposal = None
-            request.num_computed = chunk.start + committed
-            if samples:
-                for token, logprobs in sampled:
-                    self._append(request, token, logprobs)
-                    if request.finished:
-                        break
+            request, committed, wanted = chunk.request, chunk.length, 0
+            if chunk.samples:
+                committed = self._sample(chunk, next(logits))
                 updated.append(request)
+                wanted = self._drafts_wanted(request)
+            request.num_computed = chunk.start + committed
             if self.proposer and not request.finished:
-                wanted = self._drafts_wanted(request) if samples else 0
                 seq = self.runner.seqs[request.id]
                 observations.append(Observation(request, seq, chunk.start, features[:committed], wanted))
         if observations:
@@ -161,6 +150,22 @@ class LLMEngine:
             if not chunk.request.finished:
                 self.cache.release_old(chunk.request.id, chunk.request.num_computed)
         return updated
+
+    def _sample(self, chunk: ScheduledChunk, logits: torch.Tensor) -> int:
+        """Emit the tokens of a sampling chunk (its accepted drafts, then the target's token) and roll the
+        caches back to what it keeps; returns how many of the chunk's tokens stay in the cache."""
+        request = chunk.request
+        sampled = self.sampler(request, logits, request.proposal)
+        committed = chunk.length - chunk.num_drafts + len(sampled) - 1
+        if chunk.num_drafts:
+            self.spec_stats.record(chunk.num_drafts, len(sampled) - 1)
+            self.runner.rollback(chunk, committed)
+        request.proposal = None
+        for token, logprobs in sampled:
+            self._append(request, token, logprobs)
+            if request.finished:
+                break
+        return committed
 
     def _drafts_wanted(self, request: Request) -> int:
         """Drafts to verify next: none under a logits processor, never past ``max_tokens``."""
