@@ -66,16 +66,17 @@ class DSparkStage(MhcBlock):
         carry: torch.Tensor,
         ids: torch.Tensor,
         context: torch.Tensor,
+        index: torch.Tensor,
         positions: torch.Tensor,
         inv_freq: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Single-pass block over the draft streams ``x [B, n, D]``; every token sees the whole block."""
+        """Single-pass block over the draft streams ``x [T, n, D]`` of one or more blocks: token t reads the
+        rows ``index[t]`` (-1: none) of ``cat(context, the block tokens' keys)``."""
         attn_pre, post, comb = self.coeffs(x, "attn")
         attn = self.attn
         _, q, kv = attn.project(self.attn_norm(hc_collapse(x, carry)), positions, inv_freq)
-        pool = torch.cat([context, kv])
-        every = torch.arange(pool.shape[0], device=x.device).expand(x.shape[0], -1)
-        x = hc_update(x, attn.output(q, [KVPool(pool, every)], positions, inv_freq), post, comb)
+        pool = KVPool(torch.cat([context, kv]), index)
+        x = hc_update(x, attn.output(q, [pool], positions, inv_freq), post, comb)
         ffn_pre, post, comb = self.coeffs(x, "ffn")
         f = self.ffn(self.ffn_norm(hc_collapse(x, attn_pre)), ids)
         return hc_update(x, f, post, comb), ffn_pre
@@ -108,34 +109,53 @@ class DSpark(nn.ModuleList):
     @torch.no_grad()
     def propose(
         self,
-        anchor: int,
-        state: DSparkState,
+        anchors: list[int],
+        states: list[DSparkState],
         embed: nn.Embedding,
         head: nn.Linear,
         inv_freq: torch.Tensor,
-        sample: Callable[[torch.Tensor], int] = lambda logits: int(logits.argmax()),
-    ) -> Draft:
-        """Draft ``dspark_block_size`` tokens after the anchor (the token at position ``num_tokens``)."""
+        sample: Callable[[int, torch.Tensor], int] = lambda i, logits: int(logits.argmax()),
+    ) -> list[Draft]:
+        """Draft ``dspark_block_size`` tokens after each request's anchor (its token at position
+        ``num_tokens``), every request in one pass per stage; ``sample(i, logits)`` picks request i's."""
         cfg, device = self.cfg, embed.weight.device
-        block = cfg.dspark_block_size
-        ids = torch.full((block,), cfg.dspark_noise_token_id, device=device)
-        ids[0] = anchor
-        start = state.num_tokens
-        positions = torch.arange(start, start + block, device=device)
+        block, n = cfg.dspark_block_size, len(anchors)
+        ids = torch.full((n, block), cfg.dspark_noise_token_id, device=device)
+        ids[:, 0] = torch.tensor(anchors, device=device)
+        ids = ids.flatten()
+        offsets = torch.arange(block, device=device)
+        positions = (torch.tensor([s.num_tokens for s in states], device=device)[:, None] + offsets).flatten()
         x = embed(ids)[:, None, :].expand(-1, cfg.hc_mult, -1).contiguous()
-        carry = one_hot_premix(block, cfg.hc_mult, device)
-        for stage, context in zip(self, state.keys, strict=True):
-            x, carry = stage(x, carry, ids, context, positions, inv_freq)
+        carry = one_hot_premix(n * block, cfg.hc_mult, device)
+        index = _block_index([s.keys[0].shape[0] for s in states], block, device)
+        for i, stage in enumerate(self):
+            context = torch.cat([s.keys[i] for s in states])
+            x, carry = stage(x, carry, ids, context, index, positions, inv_freq)
         last = self[-1]
-        hidden = hc_collapse(x, carry).float()
+        hidden = hc_collapse(x, carry).float().view(n, block, -1)
         base = head(last.norm(hidden).to(head.weight.dtype)).float()  # U_k
-        tokens, logits, confidence, prev = [], [], [], anchor
+        w1, w2 = last.markov_head.markov_w1.weight.float(), last.markov_head.markov_w2.weight.float()
+        proj = last.confidence_head.proj.weight.float()
+        prev, tokens, logits, confidence = torch.tensor(anchors, device=device), [], [], []
         for k in range(block):
-            mu = last.markov_head.markov_w1.weight[prev].float()
-            step = base[k] + last.markov_head.markov_w2.weight.float() @ mu
-            conf = torch.sigmoid(last.confidence_head.proj.weight.float() @ torch.cat([hidden[k], mu]))
-            prev = sample(step)
+            mu = w1[prev]  # [n, R]
+            step = base[:, k] + mu @ w2.T
+            confidence.append(torch.sigmoid(torch.cat([hidden[:, k], mu], dim=1) @ proj.T)[:, 0])
+            prev = torch.tensor([sample(i, row) for i, row in enumerate(step)], device=device)
             tokens.append(prev)
             logits.append(step)
-            confidence.append(conf[0])
-        return Draft(tokens, torch.stack(logits), torch.stack(confidence))
+        tokens, logits, confidence = (torch.stack(t, dim=1) for t in (tokens, logits, confidence))
+        return [Draft(tokens[i].tolist(), logits[i], confidence[i]) for i in range(n)]
+
+
+def _block_index(context_lengths: list[int], block: int, device: torch.device) -> torch.Tensor:
+    """Rows each draft token reads of ``cat(contexts, block keys)``: its request's context keys (the
+    contexts laid end to end), then all ``block`` keys of its own block; -1 pads."""
+    lengths = torch.tensor(context_lengths, device=device)
+    starts = lengths.cumsum(0) - lengths
+    width = max(context_lengths, default=0)
+    columns = torch.arange(width, device=device)
+    context = torch.where(columns < lengths[:, None], starts[:, None] + columns, -1)
+    own = int(lengths.sum()) + torch.arange(len(context_lengths), device=device)[:, None] * block
+    own = own + torch.arange(block, device=device)
+    return torch.cat([context, own], dim=1).repeat_interleave(block, dim=0)

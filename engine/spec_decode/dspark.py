@@ -15,7 +15,7 @@ from engine.request import Proposal
 from engine.sampler import Sampler
 from engine.spec_decode.proposer import Observation, Proposer
 from model.deepseek_v41 import DeepseekV41
-from model.dspark import DSparkState
+from model.dspark import Draft, DSparkState
 
 
 class DSparkProposer(Proposer):
@@ -40,25 +40,29 @@ class DSparkProposer(Proposer):
 
     @torch.no_grad()
     def propose(self, observations: list[Observation]) -> list[Proposal | None]:
-        proposals = []
         for o in observations:
             if o.start == 0 or o.request.id not in self.states:
                 self.states[o.request.id] = self.model.mtp.new_state(self.inv_freq.device)
-            state = self.states[o.request.id]
             if o.features.shape[0]:
-                self.model.mtp.add_context(o.features, state, self.inv_freq)
-            proposals.append(self._draft(o, state) if o.num_drafts else None)
-        return proposals
+                self.model.mtp.add_context(o.features, self.states[o.request.id], self.inv_freq)
+        drafting = [o for o in observations if o.num_drafts]
+        if not drafting:
+            return [None] * len(observations)
+        drafted: list[list[int]] = [[] for _ in drafting]
 
-    def _draft(self, o: Observation, state: DSparkState) -> Proposal | None:
-        request, drafted = o.request, []
-
-        def sample(logits: torch.Tensor) -> int:
-            drafted.append(self.sampler.draft(request, logits, drafted))
-            return drafted[-1]
+        def sample(i: int, logits: torch.Tensor) -> int:
+            drafted[i].append(self.sampler.draft(drafting[i].request, logits, drafted[i]))
+            return drafted[i][-1]
 
         model = self.model
-        draft = model.mtp.propose(request.tokens[-1], state, model.embed, model.head, self.inv_freq, sample)
+        anchors = [o.request.tokens[-1] for o in drafting]
+        states = [self.states[o.request.id] for o in drafting]
+        drafts = model.mtp.propose(anchors, states, model.embed, model.head, self.inv_freq, sample)
+        proposals = {id(o): self._cut(o, d) for o, d in zip(drafting, drafts, strict=True)}
+        return [proposals.get(id(o)) for o in observations]
+
+    def _cut(self, o: Observation, draft: Draft) -> Proposal | None:
+        """The drafts to verify: at most the number asked for, while the confidence product holds."""
         survival = torch.cumprod(draft.confidence, 0)
         k = min(o.num_drafts, int((survival >= self.min_confidence).sum()))
         return Proposal(draft.tokens[:k], draft.logits[:k]) if k else None

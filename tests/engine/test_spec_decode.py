@@ -155,7 +155,7 @@ def fresh_first_draft_logits(arch: str, model, tokens: list[int]) -> torch.Tenso
     inv_freq = model.rope(model.mtp[0].plan.rope)
     state = model.mtp.new_state(committed.device)
     model.mtp.add_context(features, state, inv_freq)
-    return model.mtp.propose(tokens[-1], state, model.embed, model.head, inv_freq).logits[0]
+    return model.mtp.propose([tokens[-1]], [state], model.embed, model.head, inv_freq)[0].logits[0]
 
 
 def test_draft_caches_hold_exactly_the_committed_tokens(tiny, reference):
@@ -215,9 +215,8 @@ def test_dspark_confidence_picks_the_verify_length():
     inv_freq = model.rope(model.mtp[0].plan.rope)
     state = model.mtp.new_state(committed.device)
     model.mtp.add_context(features, state, inv_freq)
-    survival = torch.cumprod(
-        model.mtp.propose(prompt[-1], state, model.embed, model.head, inv_freq).confidence, 0
-    )
+    [draft] = model.mtp.propose([prompt[-1]], [state], model.embed, model.head, inv_freq)
+    survival = torch.cumprod(draft.confidence, 0)
     assert torch.all(survival[1:] <= survival[:-1])
     thresholds = [
         (0.0, 5),

@@ -214,9 +214,9 @@ def test_dspark_block_is_non_causal_with_a_bounded_context(model):
 
     def run(ids, context):
         x = model.embed(ids)[:, None, :].expand(-1, cfg.hc_mult, -1).contiguous()
-        return stage(x, one_hot_premix(block, cfg.hc_mult, device), ids, context, positions, model.rope.main)[
-            0
-        ]
+        every = torch.arange(context.shape[0] + block).expand(block, -1)
+        carry = one_hot_premix(block, cfg.hc_mult, device)
+        return stage(x, carry, ids, context, every, positions, model.rope.main)[0]
 
     with torch.no_grad():
         base = run(ids, context)
@@ -227,7 +227,7 @@ def test_dspark_block_is_non_causal_with_a_bounded_context(model):
         out = model.run(prompt(50), None)
         model.mtp.add_context(out.target_features, state, model.rope.main)
         assert all(k.shape[0] == cfg.sliding_window for k in state.keys) and state.num_tokens == 50
-        draft = model.mtp.propose(5, state, model.embed, model.head, model.rope.main)
+        [draft] = model.mtp.propose([5], [state], model.embed, model.head, model.rope.main)
     assert len(draft.tokens) == block and draft.logits.shape == (block, cfg.vocab_size)
     assert ((draft.confidence > 0) & (draft.confidence < 1)).all()
     assert draft.tokens == draft.logits.argmax(-1).tolist()
@@ -240,3 +240,21 @@ def test_quantised_v41_checkpoint_loads(tiny_dir, model, tmp_path):
     assert ((table - ref).abs() <= ref.abs() / 16 + 2.0**-12).all()
     with torch.no_grad():
         assert torch.isfinite(quantised(prompt(40))).all()
+
+
+def test_dspark_drafts_a_batch_as_it_drafts_each_request(model):
+    """One pass over several requests' blocks (contexts of different lengths) equals one pass each."""
+    states, anchors = [], [5, 9, 13]
+    with torch.no_grad():
+        for length in (3, 40, 17):
+            state = model.mtp.new_state(torch.device("cpu"))
+            model.mtp.add_context(
+                model.run(prompt(length, seed=length)).target_features, state, model.rope.main
+            )
+            states.append(state)
+        together = model.mtp.propose(anchors, states, model.embed, model.head, model.rope.main)
+        for anchor, state, draft in zip(anchors, states, together, strict=True):
+            [alone] = model.mtp.propose([anchor], [state], model.embed, model.head, model.rope.main)
+            assert draft.tokens == alone.tokens
+            torch.testing.assert_close(draft.logits, alone.logits, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(draft.confidence, alone.confidence, rtol=1e-5, atol=1e-6)
