@@ -24,6 +24,7 @@ from model.checkpoint import load_model
 from model.deepseek_v4 import DeepseekV4
 from model.deepseek_v41 import DeepseekV41
 from model.tokenizer import load_tokenizer
+from triton_kernels.tuning import load_tuned_files
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,7 @@ class LLMEngine:
     ):
         """``proposer`` replaces the one ``config.speculative_method`` names (tests, benchmarks)."""
         self.model, self.tokenizer, self.config = model, tokenizer, config
+        self.tuned_files = load_tuned_files()  # a bad file fails here, before any request
         groups = cache_groups(model.cfg, model.embed.weight.element_size())
         self.cache = KVCacheManager.from_budget(groups, config.block_size, config.kv_cache_memory)
         self.runner = ModelRunner(model, self.cache)

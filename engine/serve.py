@@ -31,6 +31,7 @@ from engine.spec_decode import SPECULATIVE_METHODS
 from model.checkpoint import load_model
 from model.tiny import cached_tiny
 from model.tokenizer import load_tokenizer
+from triton_kernels import runtime
 
 ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/health",
              "/metrics")  # fmt: skip
@@ -164,6 +165,10 @@ def main(argv: list[str] | None = None) -> None:
     names = args.served_model_name or ["deepseek-v4.1-tiny" if args.model is None else path.resolve().name]
     url = f"http://{args.host}:{args.port}"
     announce = f"Serving {names[0]} from {path} at {url}/v1  (try: curl {url}/v1/models)"
+    tuned = engine.tuned_files
+    announce += f"\nKernel configs for {runtime.sku()}: " + (
+        f"{len(tuned)} tuned files in {tuned[0].parent}" if tuned else "heuristic defaults (no tuned files)"
+    )
     logging.basicConfig(level=args.log_level.upper())
     app = build_app(OpenAIServer(engine, names, args.api_key, str(path)), announce)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)

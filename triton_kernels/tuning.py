@@ -9,9 +9,11 @@ config of each launch without benchmarking (autotuning at the first launch of ea
 2. otherwise the heuristic default: the first declared config that fits the SKU's on-chip budget.
    Op modules declare their configs in order of preference, the safest (smallest) first.
 
-A file is read once per (directory, SKU, op), at the first launch of a kernel of its op, and checked
-whole: a file swept on other core counts than the SKU's, naming a kernel or a config the op does not
-declare, or choosing a config over the SKU's on-chip budget is refused with ``ValueError``. A dry-run
+A file is read once per (directory, SKU, op), by ``load_tuned_files()`` at start-up (the engine calls
+it, so that a bad file stops it before any request) or else at the first launch of a kernel of its
+op, and checked whole: a file swept on other core counts than the SKU's, naming a kernel or a config
+the op does not declare, or choosing a config over the SKU's on-chip budget is refused with
+``ValueError``. A dry-run
 file (swept under the interpreter on a CPU) is used on the CPU backend only, never on a device.
 
 A bucket is the launch's key arguments, each rounded up to a power of two: ``"H=64,D=128"``.
@@ -62,6 +64,14 @@ def bucket_of(values: dict[str, Any]) -> str:
 def kernels(op: str) -> dict[str, TunedKernel]:
     """The tuned kernels an op module declares, by name."""
     return dict(_registry.get(op, {}))
+
+
+def load_tuned_files() -> list[Path]:
+    """Read and check the current SKU's file of every op that declares tuned kernels; the files found."""
+    directory, sku = tuned_dir(), runtime.sku()
+    for op in _registry:
+        _tuned(str(directory), sku, op, runtime.backend())
+    return [path for op in _registry if (path := tuned_path(directory, sku, op)).is_file()]
 
 
 @dataclass(frozen=True)

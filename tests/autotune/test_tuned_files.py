@@ -128,3 +128,21 @@ def test_a_config_the_kernel_does_not_declare_is_refused(
         ValueError, match=r"_copy_kernel \[n=128\]: chosen config .*'BLOCK': 32.* is not one of"
     ):
         _copy()
+
+
+def test_the_files_are_checked_at_start_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, work: Workload
+) -> None:
+    """``load_tuned_files`` (what the engine calls when it starts) reads every op's file of the SKU and
+    fails on a bad one before any kernel launches."""
+    path = _write(tmp_path, "Ascend910B2", topk._topk_tuned, "K=16", topk.KERNELS[0].configs[-1], work)
+    monkeypatch.setenv("DSV4_TUNED_DIR", str(tmp_path))
+    monkeypatch.setenv("DSV4_SKU", "Ascend910B2")
+    assert tuning.load_tuned_files() == [path]
+    monkeypatch.setenv("DSV4_SKU", "Ascend910B4")
+    assert tuning.load_tuned_files() == []  # no file: every kernel takes its heuristic default
+    (tmp_path / "Ascend910B3").mkdir()
+    shutil.copy(path, tmp_path / "Ascend910B3" / path.name)
+    monkeypatch.setenv("DSV4_SKU", "Ascend910B3")
+    with pytest.raises(ValueError, match="swept on 24 AI / 48 vector cores, but Ascend910B3 has 20 / 40"):
+        tuning.load_tuned_files()
