@@ -59,9 +59,6 @@ class ModelRunner:
         )
         return StepOutput(list(logits.split(counts)), list(features.split([c.length for c in chunks])))
 
-    def seq(self, request_id: str) -> SeqCache:
-        return self.seqs[request_id]
-
     @torch.no_grad()
     def rollback(self, chunk: ScheduledChunk, keep: int) -> None:
         """Keep the first ``keep`` tokens of a chunk that verified drafts: caches as if only they came."""
