@@ -142,7 +142,7 @@ class DeepseekV41(nn.Module):
         """Keep only the tokens ``kept`` of the request's call since ``seq.speculate()``."""
         history = seq.rollback(kept.numel())
         if self.hasher is not None:
-            _, seq.engram_history = self.hasher(kept, _history(history, kept.device))
+            seq.engram_history = self.hasher.advance(_history(history, kept.device), kept)
 
     def forward(
         self, ids: torch.Tensor, state: SequenceState | None = None, last_only: bool = False

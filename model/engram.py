@@ -253,8 +253,17 @@ class EngramHasher:
             )
         if dead is not None and (dead.dtype != torch.bool or dead.shape != token_ids.shape):
             raise ValueError(f"dead: {dead.dtype} {tuple(dead.shape)} must be bool {tuple(token_ids.shape)}")
-        cids = torch.cat((history.to(self.token_map.device, torch.int64), self.compress(token_ids, dead)))
+        cids = self._extend(history, token_ids, dead)
         return engram_hash(cids, history.numel(), self.tables), cids[-self.history_len :]
+
+    def advance(self, history: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        """The look-back after ``token_ids`` without hashing them (a speculative rollback's kept tokens)."""
+        return self._extend(history, token_ids, None)[-self.history_len :]
+
+    def _extend(
+        self, history: torch.Tensor, token_ids: torch.Tensor, dead: torch.Tensor | None
+    ) -> torch.Tensor:
+        return torch.cat((history.to(self.token_map.device, torch.int64), self.compress(token_ids, dead)))
 
 
 class _Table(nn.Module):
