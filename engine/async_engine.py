@@ -4,6 +4,11 @@ The engine is not thread-safe and a step blocks for as long as the model runs. A
 an executor call per step) keeps every engine call, add and abort included, on one thread with no lock, and
 leaves the event loop free while a step runs. The loop hands commands over a queue; the thread publishes
 each sequence's progress to its request's asyncio queue.
+
+The thread is supervised: a request that fails in a step fails alone (LLMEngine isolates it); any other
+exception is logged and fails the requests in flight, and the thread carries on; should the thread itself
+end, every waiter is woken with an error and nothing is accepted any more. Admission is bounded: at most
+``max_num_seqs + max_waiting`` sequences are in the engine at once, the rest are refused (HTTP 503).
 """
 
 from __future__ import annotations
@@ -19,9 +24,17 @@ from dataclasses import dataclass, field
 
 from engine.llm_engine import LLMEngine
 from engine.metrics import Metrics
-from engine.request import LogitsProcessor, Request, SamplingParams
+from engine.request import FinishReason, LogitsProcessor, Request, SamplingParams
 
 log = logging.getLogger(__name__)
+
+
+class Unavailable(Exception):
+    """The engine takes no more sequences now: full (``retry_after`` seconds), shutting down or dead."""
+
+    def __init__(self, message: str, retry_after: int | None = None):
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 @dataclass
@@ -34,6 +47,7 @@ class Update:
     text: str  # all text so far; final (stop strings cut) once finish_reason is set
     finish_reason: str | None = None  # stop, length, abort or error
     error: str | None = None
+    status: int = 500  # with an error: 400 when the request's own input failed, 503 at shutdown
 
 
 @dataclass
@@ -54,31 +68,52 @@ class Group:
     created: int = field(default_factory=lambda: int(time.time()))  # the API's `created` (Unix seconds)
 
 
+_Command = tuple[Callable[[], object], Future]
+
+
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, metrics: Metrics):
+    def __init__(self, engine: LLMEngine, metrics: Metrics, max_waiting: int = 256):
+        if max_waiting < 0:
+            raise ValueError(f"max_waiting={max_waiting} must be >= 0")
         self.engine, self.metrics = engine, metrics
-        self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
+        self.capacity = engine.config.max_num_seqs + max_waiting  # sequences admitted at once
+        self.accepting = True  # False once shutting down
+        self._commands: queue.Queue[_Command] = queue.Queue()
         self._live: dict[str, _Sequence] = {}
+        self._admitted = 0  # sequences reserved by `add` and not yet gone; both threads change it
+        self._lock = threading.Lock()
         self._stopping = False
+        self._ended = False  # the thread has run its last command
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        # Read when scraped, so the gauges move as soon as requests are admitted or scheduled, also
+        # while a long step runs.
+        scheduler = engine.scheduler
+        metrics.running.set_function(lambda: len(scheduler.running))
+        metrics.waiting.set_function(lambda: max(0, self._admitted - len(scheduler.running)))
 
     def start(self) -> None:
         self._thread.start()
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        return self._thread.is_alive() and not self._ended
+
+    @property
+    def in_flight(self) -> int:
+        """Sequences admitted and not finished."""
+        return self._admitted
 
     def stop(self) -> None:
         self._stopping = True
-        self._commands.put(lambda: None)
+        self._call(lambda: None)
         self._thread.join(timeout=30)
 
     async def add(
         self, group_id: str, seqs: list[tuple[list[int], SamplingParams, LogitsProcessor | None]]
     ) -> Group:
-        """Queue each (prompt, params, processor) as sequence `group_id-i`; raises ValueError, with nothing
-        queued, if any of them could never run."""
+        """Queue each (prompt, params, processor) as sequence `group_id-i`. Raises Unavailable when the
+        engine cannot take them now, or ValueError, with nothing queued, if any of them could never run."""
+        self._admit(len(seqs))
         loop = asyncio.get_running_loop()
         group = Group([f"{group_id}-{i}" for i in range(len(seqs))])
 
@@ -92,7 +127,7 @@ class AsyncEngine:
                     request = self.engine.add_request(prompt, params, rid)
                     request.logits_processor = processor
                     added.append(request)
-            except ValueError:
+            except Exception:
                 for request in added:
                     self._drop(request.id)
                 raise
@@ -101,7 +136,14 @@ class AsyncEngine:
                 self._live[request.id] = _Sequence(i, sink, now)
                 self.metrics.prompt_tokens.inc(len(request.prompt))
 
-        await asyncio.wrap_future(self._call(add_all))
+        try:
+            await asyncio.wrap_future(self._call(add_all))
+        except asyncio.CancelledError:  # the handler went away: what add_all may have added is aborted
+            self.abort(group)
+            raise
+        except BaseException:
+            self._release(len(seqs))
+            raise
         return group
 
     def abort(self, group: Group) -> None:
@@ -110,21 +152,43 @@ class AsyncEngine:
         def abort_all() -> None:
             for rid in group.ids:
                 if self._live.pop(rid, None) is not None:
+                    self._release(1)
                     self._drop(rid)
                     self.metrics.finished("abort")
 
         self._call(abort_all)
 
-    def _call(self, fn: Callable[[], object]) -> Future[object]:
-        future: Future[object] = Future()
+    def fail_all(self, message: str, status: int) -> Future:
+        """End every sequence in flight with an error update (shutdown); resolves once done."""
+        return self._call(lambda: self._fail_all(message, status))
 
-        def command() -> None:
-            try:
-                future.set_result(fn())
-            except Exception as err:  # handed to the awaiting request
-                future.set_exception(err)
+    # ---- admission -------------------------------------------------------------------------------------
+    def _admit(self, n: int) -> None:
+        if not self.accepting:
+            raise Unavailable("the server is shutting down")
+        with self._lock:
+            if self._ended:
+                raise Unavailable("the engine is not running")
+            if self._admitted + n > self.capacity:
+                raise Unavailable(
+                    f"the server is at capacity ({self._admitted} sequences in flight, at most "
+                    f"{self.capacity}); retry later",
+                    retry_after=1,
+                )
+            self._admitted += n
 
-        self._commands.put(command)
+    def _release(self, n: int) -> None:
+        with self._lock:
+            self._admitted -= n
+
+    # ---- the engine thread -----------------------------------------------------------------------------
+    def _call(self, fn: Callable[[], object]) -> Future:
+        future: Future = Future()
+        with self._lock:  # the same lock as the thread's last act, so no command is left behind
+            if self._ended:
+                future.set_exception(Unavailable("the engine is not running"))
+            else:
+                self._commands.put((fn, future))
         return future
 
     def _drop(self, rid: str) -> None:
@@ -135,26 +199,48 @@ class AsyncEngine:
             self.engine.completion(request)  # forgets the request and its detokenizer
 
     def _run(self) -> None:
-        while not self._stopping:
-            try:
-                block = not self.engine.has_work
-                while True:
-                    self._commands.get(block=block, timeout=1.0 if block else None)()
-                    block = False
-            except queue.Empty:
-                pass
-            if self._stopping or not self.engine.has_work:
-                self._observe()
-                continue
-            try:
-                updated = self.engine.step()
-            except Exception:  # a failed step must not take the server down: fail what was running
-                log.exception("engine step failed")
-                self._fail_all("internal error in the engine step")
-                continue
-            for request in updated:
-                self._publish(request)
-            self._observe()
+        try:
+            while not self._stopping:
+                try:
+                    self._cycle()
+                except Exception:  # not one request's fault: fail what was in flight, then carry on
+                    log.exception("the engine loop failed; failing the requests in flight")
+                    self._fail_all("internal error in the engine", 500)
+        except BaseException:
+            log.exception("the engine thread died")
+            raise
+        finally:
+            self._wake_all()
+
+    def _cycle(self) -> None:
+        try:
+            block = not self.engine.has_work
+            while True:
+                fn, future = self._commands.get(block=block, timeout=1.0 if block else None)
+                block = False
+                self._execute(fn, future)
+        except queue.Empty:
+            pass
+        self._observe()
+        if self._stopping or not self.engine.has_work:
+            return
+        for request in self.engine.step():
+            self._publish(request)
+        self._observe()
+
+    @staticmethod
+    def _execute(fn: Callable[[], object], future: Future) -> None:
+        if not future.set_running_or_notify_cancel():  # its handler went away before it ran
+            return
+        try:
+            result = fn()
+        except ValueError as err:  # a request that could never run: its handler answers 400
+            future.set_exception(err)
+        except Exception as err:
+            log.exception("an engine command failed")
+            future.set_exception(err)
+        else:
+            future.set_result(result)
 
     def _publish(self, request: Request) -> None:
         sequence = self._live.get(request.id)
@@ -173,7 +259,12 @@ class AsyncEngine:
             sequence.sink(Update(sequence.index, tokens, logprobs, text))
             return
         del self._live[request.id]
+        self._release(1)
         completion = self.engine.completion(request)
+        if request.finish_reason is FinishReason.ERROR:
+            self.metrics.finished("error")
+            sequence.sink(Update(sequence.index, [], [], "", "error", request.error, 400))
+            return
         n = len(completion.token_ids)
         if n > 1 and sequence.first_token_at is not None:
             self.metrics.tpot.observe((now - sequence.first_token_at) / (n - 1))
@@ -181,21 +272,30 @@ class AsyncEngine:
         self.metrics.finished(completion.finish_reason)
         sequence.sink(Update(sequence.index, tokens, logprobs, completion.text, completion.finish_reason))
 
-    def _fail_all(self, message: str) -> None:
+    def _fail_all(self, message: str, status: int) -> None:
         for rid, sequence in list(self._live.items()):
             del self._live[rid]
+            self._release(1)
             self._drop(rid)
             self.metrics.finished("error")
-            sequence.sink(Update(sequence.index, [], [], "", "error", message))
+            sequence.sink(Update(sequence.index, [], [], "", "error", message, status))
+
+    def _wake_all(self) -> None:
+        """The thread is ending: no command will run and no update will come, so tell every waiter."""
+        self.accepting = False
+        with self._lock:
+            self._ended = True
+        while not self._commands.empty():
+            _, future = self._commands.get_nowait()
+            if future.set_running_or_notify_cancel():
+                future.set_exception(Unavailable("the engine is not running"))
+        for rid, sequence in list(self._live.items()):
+            del self._live[rid]
+            self._release(1)
+            sequence.sink(Update(sequence.index, [], [], "", "error", "the engine stopped", 503))
 
     def _observe(self) -> None:
         scheduler, cache = self.engine.scheduler, self.engine.cache
-        self.metrics.observe_engine(
-            len(scheduler.running),
-            len(scheduler.waiting),
-            cache.usage(),
-            cache.num_blocks,
-            scheduler.preemptions,
-        )
+        self.metrics.observe_engine(cache.usage(), cache.num_blocks, scheduler.preemptions)
         if self.engine.proposer is not None:
             self.metrics.observe_spec_decode(self.engine.spec_stats)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,7 +14,7 @@ from tokenizers import Tokenizer
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import KVCacheManager
 from engine.model_runner import ModelRunner
-from engine.request import FinishReason, Request, SamplingParams, Status
+from engine.request import FinishReason, InvalidRequest, Request, SamplingParams, Status
 from engine.sampler import Sampler
 from engine.scheduler import ScheduledChunk, Scheduler
 from engine.spec_decode import SPECULATIVE_METHODS, build_proposer
@@ -25,6 +26,8 @@ from model.deepseek_v4 import DeepseekV4
 from model.deepseek_v41 import DeepseekV41
 from model.tokenizer import load_tokenizer
 from triton_kernels.tuning import load_tuned_files
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -91,21 +94,23 @@ class LLMEngine:
         """Validate and queue a request; everything that could never run is rejected here."""
         vocab, limit = self.model.cfg.vocab_size, self.config.max_model_len
         if not prompt:
-            raise ValueError("prompt is empty: at least one token is required")
+            raise InvalidRequest("prompt is empty: at least one token is required", "prompt")
         bad = next((t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab), None)
         if bad is not None:
-            raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
+            raise InvalidRequest(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})", "prompt")
         if len(prompt) + params.max_tokens > limit:
-            raise ValueError(
-                f"{len(prompt)} prompt tokens + max_tokens={params.max_tokens} exceed max_model_len={limit}"
+            raise InvalidRequest(
+                f"{len(prompt)} prompt tokens + max_tokens={params.max_tokens} exceed max_model_len={limit}",
+                "max_tokens",
             )
         peak = self.cache.max_blocks(
             len(prompt) + params.max_tokens + self.lookahead,
             self.config.max_num_batched_tokens + self.lookahead,
         )
         if peak > self.cache.num_blocks:
-            raise ValueError(
-                f"request needs up to {peak} KV cache blocks; the cache has {self.cache.num_blocks}"
+            raise InvalidRequest(
+                f"request needs up to {peak} KV cache blocks; the cache has {self.cache.num_blocks}",
+                "max_tokens",
             )
         request = Request(list(prompt), params, arrival=self._arrivals)
         if request_id is not None:
@@ -138,8 +143,12 @@ class LLMEngine:
         for chunk, features in zip(chunks, out.features, strict=True):
             request, committed, wanted = chunk.request, chunk.length, 0
             if chunk.samples:
-                committed = self._sample(chunk, next(logits))
                 updated.append(request)
+                try:
+                    committed = self._sample(chunk, next(logits))
+                except Exception as err:  # its own parameters or logits processor: it alone fails
+                    self._fail(request, err)
+                    continue
                 wanted = self._drafts_wanted(request)
             request.num_computed = chunk.start + committed
             if self.proposer and not request.finished:
@@ -181,8 +190,8 @@ class LLMEngine:
         if logprobs is not None:
             request.logprobs.append(logprobs)
         detok = self.detokenizers[request.id]
-        detok.add(token)
-        stop_at = min((i for s in params.stop if (i := detok.text.find(s)) >= 0), default=None)
+        new = detok.add(token)
+        stop_at = _first_stop(detok.text, len(new), params.stop)
         if stop_at is not None:
             request.stop_text_at = stop_at
             self._finish(request, FinishReason.STOP)
@@ -192,6 +201,12 @@ class LLMEngine:
             self._finish(request, FinishReason.STOP)
         elif len(request.output) >= params.max_tokens or request.num_tokens >= self.config.max_model_len:
             self._finish(request, FinishReason.LENGTH)
+
+    def _fail(self, request: Request, err: Exception) -> None:
+        log.error("request %s failed in the engine step", request.id, exc_info=err)
+        request.error = f"the request failed in the engine: {err}"
+        if not request.finished:
+            self._finish(request, FinishReason.ERROR)
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
         self.scheduler.finish(request, reason)
@@ -216,6 +231,13 @@ class LLMEngine:
             request.finish_reason.value if request.finish_reason else "",
             request.logprobs if request.params.logprobs is not None else None,
         )
+
+
+def _first_stop(text: str, new: int, stops: tuple[str, ...]) -> int | None:
+    """Where the first stop string starts in ``text``, given that none occurred before its last ``new``
+    characters were added: only the new text and the stop's length before it are searched."""
+    found = (text.find(s, max(0, len(text) - new - len(s) + 1)) for s in stops) if new else ()
+    return min((i for i in found if i >= 0), default=None)
 
 
 class LLM:

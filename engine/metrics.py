@@ -55,11 +55,7 @@ class Metrics:
     def finished(self, reason: str) -> None:
         self._finished.labels(self.model_name, reason).inc()
 
-    def observe_engine(
-        self, running: int, waiting: int, usage: dict[str, int], num_blocks: int, preemptions: int
-    ) -> None:
-        self.running.set(running)
-        self.waiting.set(waiting)
+    def observe_engine(self, usage: dict[str, int], num_blocks: int, preemptions: int) -> None:
         for group, blocks in usage.items():
             self._kv_usage.labels(self.model_name, group).set(blocks / num_blocks)
         self.preemptions.inc(preemptions - self._preempted)

@@ -34,13 +34,13 @@ def _delta(d: StreamDelta) -> dict[str, Any]:
 
 async def chat_completions(server: OpenAIServer, request: Request) -> Response:
     body = await server.parse(request, ChatCompletionRequest)
-    body.check_stream_options()
+    body.check()
     mode, named = body.tool_mode()
     schema = body.json_schema()
     if schema is not None and mode in ("required", "named"):
         raise APIError("response_format cannot be combined with a forced tool call", param="tool_choice")
     top = body.logprobs_count()
-    prompt = server.tokenizer.encode(server.chat_prompt(body, mode, schema), add_special_tokens=False).ids
+    prompt = await server.offload(server.chat_ids, body, mode, schema)
     max_tokens = server.max_tokens(body.requested_max_tokens(), prompt, "messages")
     param = "response_format" if schema is not None else "tool_choice"
     try:
@@ -58,7 +58,8 @@ async def chat_completions(server: OpenAIServer, request: Request) -> Response:
     seqs: list[Seq] = [
         (prompt, body.sampling_params(max_tokens, top, i), processors[i]) for i in range(body.n)
     ]
-    group = await server.submit("chatcmpl", seqs)
+    limit_param = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
+    group = await server.submit("chatcmpl", seqs, "messages", limit_param)
     choices = [ChatChoice(params.stop, body.thinking, mode != "none") for _, params, _ in seqs]
     base = {"id": group.ids[0].rsplit("-", 1)[0], "object": "chat.completion", "created": group.created,
             "model": body.model or server.names[0]}  # fmt: skip

@@ -16,10 +16,13 @@ from model.tokenizer import THINK_END
 
 
 def _held_back(text: str, marker: str) -> int:
-    """Length of the longest proper prefix of `marker` that `text` ends with."""
-    for n in range(min(len(text), len(marker) - 1), 0, -1):
-        if text.endswith(marker[:n]):
-            return n
+    """Length of the longest proper prefix of `marker` that `text` ends with; only the places in the last
+    len(marker) - 1 characters where the marker's first character stands are tried."""
+    start = text.find(marker[0], max(0, len(text) - len(marker) + 1))
+    while start >= 0:
+        if marker.startswith(text[start:]):
+            return len(text) - start
+        start = text.find(marker[0], start + 1)
     return 0
 
 

@@ -10,19 +10,28 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
-from engine.request import SamplingParams
+from engine.request import FLOAT32_TINY, MAX_STOP_LENGTH, MAX_STOP_STRINGS, SEED_RANGE, SamplingParams
+
+MAX_SEQUENCES_PER_REQUEST = 64  # prompts x n of one completions request
+MAX_LOGIT_BIAS = 1024  # entries
 
 
 class APIError(Exception):
     """An OpenAI-style error response."""
 
     def __init__(
-        self, message: str, status: int = 400, param: str | None = None, code: str | None = None
+        self,
+        message: str,
+        status: int = 400,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.message, self.status, self.param, self.code = message, status, param, code
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         kind = {401: "authentication_error", 404: "not_found_error"}.get(self.status, "invalid_request_error")
@@ -31,14 +40,28 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
 
+def _is_branch_tag(part: object) -> bool:
+    """pydantic puts the name of the union member it tried into an error's location (`str`,
+    `list[int]`, `NamedToolChoice`, `literal[...]`): not a field a client could name."""
+    if not isinstance(part, str):
+        return False
+    return not part.isidentifier() or part[:1].isupper() or part in ("str", "int", "float", "bool", "none")
+
+
 def validation_error(err: ValidationError) -> APIError:
-    first = err.errors()[0]
-    where = ".".join(str(p) for p in first["loc"]) or None
-    return APIError(f"{where}: {first['msg']}" if where else first["msg"], param=where)
+    """The error of the union member that matched the input furthest (a list of 100,000 stop strings is
+    "too many items", not "not a string"), located by field names alone."""
+
+    def path(e: Any) -> list[object]:
+        return [p for p in e["loc"] if not _is_branch_tag(p)]
+
+    best = max(err.errors(), key=lambda e: (len(path(e)), not e["type"].endswith("_type")))
+    where = ".".join(str(p) for p in path(best)) or None
+    return APIError(f"{where}: {best['msg']}" if where else best["msg"], param=where)
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Strict):
@@ -73,7 +96,13 @@ class ChatTemplateKwargs(_Strict):
 
 Probability = Annotated[float, Field(ge=0.0, le=1.0)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
-Stop = str | Annotated[list[str], Field(max_length=16)] | None
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_LENGTH)]
+# One string is a list of one: a single type, so its errors name the field.
+Stop = Annotated[
+    Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None,
+    BeforeValidator(lambda v: [v] if isinstance(v, str) else v),
+]
+Seed = Annotated[int, Field(ge=SEED_RANGE[0], le=SEED_RANGE[1])]
 
 
 class Sampling(_Strict):
@@ -82,26 +111,34 @@ class Sampling(_Strict):
     model: str | None = None
     n: Annotated[int, Field(ge=1, le=16)] = 1
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
-    top_p: Probability = 1.0
-    top_k: Annotated[int, Field(ge=-1)] = 0  # 0 or -1: off
+    top_p: Annotated[float, Field(ge=FLOAT32_TINY, le=1.0)] = 1.0
+    top_k: Annotated[int, Field(ge=-1, le=2**31 - 1)] = 0  # 0 or -1: off
     min_p: Probability = 0.0
-    seed: int | None = None
+    seed: Seed | None = None
     stop: Stop = None
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
-    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] = 1.0
-    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    repetition_penalty: Annotated[float, Field(ge=FLOAT32_TINY, le=10.0)] = 1.0
+    logit_bias: (
+        Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]], Field(max_length=MAX_LOGIT_BIAS)]
+        | None
+    ) = None
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # an end-user id for abuse tracking: accepted, not used
 
-    def check_stream_options(self) -> None:
+    def check(self) -> None:
+        """What the field types alone do not say."""
         if self.stream_options is not None and not self.stream:
             raise APIError("stream_options is only allowed when stream is true", param="stream_options")
+        if self.seed is not None and self.seed + self.n - 1 > SEED_RANGE[1]:
+            # Choice i draws from seed + i.
+            raise APIError(f"seed={self.seed} must be at most {SEED_RANGE[1] - self.n + 1} for n={self.n}",
+                           param="seed")  # fmt: skip
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, index: int) -> SamplingParams:
-        stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        stops = tuple(self.stop or ())
         try:
             return SamplingParams(
                 max_tokens=max_tokens,
@@ -126,7 +163,8 @@ class Sampling(_Strict):
             return None
         bias = {}
         for key, value in self.logit_bias.items():
-            if not key.isdigit() or int(key) >= vocab_size:
+            # ASCII only: int() also reads other scripts' digits ("٣" is 3) and "²" breaks it.
+            if not (key.isascii() and key.isdigit() and len(key) <= 10) or int(key) >= vocab_size:
                 raise APIError(
                     f"logit_bias: {key!r} is not a token id in [0, {vocab_size})", param="logit_bias"
                 )
@@ -149,6 +187,11 @@ class CompletionRequest(Sampling):
         )
         if not prompts or any(len(x) == 0 for x in prompts):
             raise APIError("prompt must not be empty", param="prompt")
+        if len(prompts) * self.n > MAX_SEQUENCES_PER_REQUEST:
+            raise APIError(
+                f"{len(prompts)} prompts x n={self.n} sequences: at most {MAX_SEQUENCES_PER_REQUEST}",
+                param="prompt",
+            )
         if self.best_of is not None and self.best_of != self.n:
             raise APIError("best_of must equal n (no server-side ranking)", param="best_of")
         return prompts

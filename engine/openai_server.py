@@ -8,16 +8,19 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import math
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 
-from engine.async_engine import AsyncEngine, Group, Update
+from engine.async_engine import AsyncEngine, Group, Unavailable, Update
 from engine.grammar import GrammarError, Grammars, LogitBias, chain
 from engine.llm_engine import LLMEngine
 from engine.metrics import Metrics
@@ -31,28 +34,75 @@ from engine.openai_protocol import (
     TokenizeRequest,
     validation_error,
 )
-from engine.request import LogitsProcessor, SamplingParams
-from model.chat import ChatFormatError, encode_messages, loads_strict
+from engine.request import InvalidRequest, LogitsProcessor, SamplingParams
+from model.chat import ChatFormatError, check_tools, encode_messages, loads_strict
 from model.tokenizer import TextTokenizer
 
 M = TypeVar("M", bound=BaseModel)
+R = TypeVar("R")
 Seq = tuple[list[int], SamplingParams, LogitsProcessor | None]  # prompt, params, processor of a sequence
+MAX_REQUEST_BYTES = 4 * 2**20
 
 
 def sse(obj: object) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
+def invalid_value_at(value: Any, where: str = "") -> APIError | None:
+    """The error for the first value in parsed JSON that nothing downstream can take, located: a string
+    that is not valid Unicode (a lone surrogate such as "\\ud800") or a number beyond float range."""
+    if isinstance(value, str):
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            message = f"{where or 'body'}: the text is not valid Unicode (a lone surrogate)"
+            return APIError(message, param=where)
+    elif isinstance(value, float):
+        if not math.isfinite(value):
+            return APIError(f"{where}: the number is out of range", param=where)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            # The path must survive the trip back in the error body: an invalid key is shown escaped.
+            name = key.encode("utf-8", "backslashreplace").decode()
+            inner = f"{where}.{name}" if where else name
+            if (found := invalid_value_at(key, inner) or invalid_value_at(item, inner)) is not None:
+                return found
+    elif isinstance(value, list):
+        for k, item in enumerate(value):
+            if (found := invalid_value_at(item, f"{where}.{k}")) is not None:
+                return found
+    return None
+
+
 class OpenAIServer:
-    def __init__(self, engine: LLMEngine, names: list[str], api_key: str | None = None, root: str = ""):
+    """The routes' logic. Parsing, validation, chat encoding and tokenisation run on a small worker pool,
+    never on the event loop, so a large or slow request cannot stall other clients or /health."""
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        names: list[str],
+        api_key: str | None = None,
+        root: str = "",
+        max_request_bytes: int = MAX_REQUEST_BYTES,
+        max_waiting: int = 256,
+    ):
         self.engine, self.names, self.api_key, self.root = engine, names, api_key, root
+        self.max_request_bytes = max_request_bytes
         self.tokenizer = engine.tokenizer
         self.cfg = engine.model.cfg
         self.metrics = Metrics(names[0])
-        self.core = AsyncEngine(engine, self.metrics)
+        self.core = AsyncEngine(engine, self.metrics, max_waiting)
+        self.workers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="request")
         self.grammars = Grammars(self.tokenizer, self.cfg.vocab_size, self.cfg.eos_token_id)
         self.texts = TokenTexts(self.tokenizer)
         self.created = int(time.time())
+        # A token covers at most this many bytes of text, so a text that long per token of the context is
+        # refused before the BPE runs over it (minutes for megabytes). A normalizer could shrink the text.
+        vocab = self.tokenizer.get_vocab(with_added_tokens=True)
+        self.max_token_bytes = (
+            max(len(piece.encode()) for piece in vocab) if self.tokenizer.normalizer is None else None
+        )
 
     # ---- request checks -------------------------------------------------------------------------------
     def authorize(self, request: Request) -> None:
@@ -62,14 +112,47 @@ class OpenAIServer:
         if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
             raise APIError("invalid or missing API key", 401, code="invalid_api_key")
 
+    def check_accepting(self) -> None:
+        if not self.core.accepting:
+            raise APIError("the server is shutting down", 503, headers={"Retry-After": "5"})
+
+    async def offload(self, fn: Callable[..., R], *args: Any) -> R:
+        return await asyncio.get_running_loop().run_in_executor(self.workers, fn, *args)
+
     async def parse(self, request: Request, model: type[M]) -> M:
         self.authorize(request)
+        self.check_accepting()
+        return await self.offload(self.validate, await self.read_body(request), model)
+
+    async def read_body(self, request: Request) -> bytes:
+        """The body, refused with 413 as soon as it is longer than the limit (before it is all read)."""
+        media = request.headers.get("content-type", "").split(";")[0].strip().lower() or "application/json"
+        if media != "application/json" and not media.endswith("+json"):
+            raise APIError(f"the body must be application/json, not {media!r}", 415)
+        limit = self.max_request_bytes
+        too_large = APIError(f"the request body is larger than the limit of {limit} bytes", 413)
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise too_large
+        body = bytearray()
         try:
-            data = loads_strict((await request.body()).decode())
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > limit:
+                    raise too_large
+        except ClientDisconnect:
+            raise APIError("the client disconnected while sending the body", 499) from None
+        return bytes(body)
+
+    def validate(self, raw: bytes, model: type[M]) -> M:
+        try:
+            data = loads_strict(raw.decode(), finite=False)
         except (ValueError, UnicodeDecodeError) as err:
             raise APIError(f"the request body is not valid JSON: {err}") from None
         if not isinstance(data, dict):
             raise APIError("the request body must be a JSON object")
+        if (invalid := invalid_value_at(data)) is not None:
+            raise invalid
         try:
             parsed = model.model_validate(data)
         except ValidationError as err:
@@ -79,8 +162,16 @@ class OpenAIServer:
             raise APIError(f"the model {name!r} does not exist", 404, param="model", code="model_not_found")
         return parsed
 
-    def text_prompt(self, text: str, add_bos: bool = True) -> list[int]:
-        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, param: str) -> list[int]:
+        """Token ids of `text` (no special tokens added); a text too long to fit the context whatever its
+        tokens is refused first."""
+        limit = self.engine.config.max_model_len
+        if self.max_token_bytes is not None and len(text.encode()) > limit * self.max_token_bytes:
+            raise APIError(f"the prompt has more than {limit} tokens, the context limit", param=param)
+        return self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids  # frees the GIL
+
+    def text_prompt(self, text: str, add_bos: bool = True, param: str = "prompt") -> list[int]:
+        ids = self.encode(text, param)
         bos = self.cfg.bos_token_id
         return [bos, *ids] if add_bos and ids[:1] != [bos] else ids
 
@@ -98,14 +189,22 @@ class OpenAIServer:
         grammar_processors: list[Any] = [None] * body.n
         if grammar is not None:
             try:  # compiling a large schema takes a while: keep the event loop free
-                grammar_processors = await asyncio.to_thread(self.grammars.processors, grammar, body.n)
+                grammar_processors = await self.offload(self.grammars.processors, grammar, body.n)
             except GrammarError as err:
                 raise APIError(str(err), param=param) from None
         return [chain(LogitBias(bias) if bias else None, g) for g in grammar_processors]
 
-    async def submit(self, prefix: str, seqs: list[Seq]) -> Group:
+    async def submit(
+        self, prefix: str, seqs: list[Seq], prompt_param: str, max_tokens_param: str = "max_tokens"
+    ) -> Group:
         try:
             return await self.core.add(f"{prefix}-{uuid.uuid4().hex}", seqs)
+        except Unavailable as err:
+            headers = {"Retry-After": str(err.retry_after or 5)}
+            raise APIError(str(err), 503, code="server_busy", headers=headers) from None
+        except InvalidRequest as err:
+            param = prompt_param if err.field == "prompt" else max_tokens_param
+            raise APIError(str(err), param=param) from None
         except ValueError as err:
             raise APIError(str(err)) from None
 
@@ -113,9 +212,14 @@ class OpenAIServer:
     async def updates(self, group: Group) -> AsyncIterator[Update]:
         done = 0
         while done < len(group.ids):
-            update = await group.updates.get()
+            try:
+                update = await asyncio.wait_for(group.updates.get(), timeout=5.0)
+            except asyncio.TimeoutError:  # a long step, or an engine that ended without a word
+                if not self.core.alive:
+                    raise APIError("the engine is not running", 503) from None
+                continue
             if update.finish_reason == "error":
-                raise APIError(update.error or "engine error", 500)
+                raise APIError(update.error or "engine error", update.status)
             done += update.finish_reason is not None
             yield update
 
@@ -166,8 +270,10 @@ class OpenAIServer:
     # ---- /v1/completions -----------------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
         body = await self.parse(request, CompletionRequest)
-        body.check_stream_options()
-        prompts = [self.text_prompt(p) if isinstance(p, str) else p for p in body.prompts()]
+        body.check()
+        prompts = await self.offload(
+            lambda: [self.text_prompt(p) if isinstance(p, str) else p for p in body.prompts()]
+        )
         processors = await self.processors(None, body)
         seqs: list[Seq] = []
         for p in prompts:
@@ -175,7 +281,7 @@ class OpenAIServer:
             seqs += [
                 (p, body.sampling_params(max_tokens, body.logprobs, i), processors[i]) for i in range(body.n)
             ]
-        group = await self.submit("cmpl", seqs)  # checks the token ids before they are decoded for echo
+        group = await self.submit("cmpl", seqs, "prompt")  # checks the token ids before echo decodes them
         texts = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in body.prompts()]
         base = {"id": group.ids[0].rsplit("-", 1)[0], "object": "text_completion", "created": group.created,
                 "model": body.model or self.names[0]}  # fmt: skip
@@ -227,6 +333,8 @@ class OpenAIServer:
     def chat_prompt(self, body: ChatCompletionRequest | TokenizeRequest, mode: str, schema: Any) -> str:
         kwargs = body.chat_template_kwargs
         try:
+            if mode == "none" and body.tools is not None:
+                check_tools(body.tools)  # not shown to the model, yet a malformed list is the client's bug
             return encode_messages(
                 # Clients send unset optional fields as null (e.g. a returned assistant message's refusal).
                 [
@@ -243,16 +351,18 @@ class OpenAIServer:
         except ChatFormatError as err:
             raise APIError(str(err), param=err.where) from None
 
+    def chat_ids(self, body: ChatCompletionRequest | TokenizeRequest, mode: str, schema: Any) -> list[int]:
+        return self.encode(self.chat_prompt(body, mode, schema), "messages")
+
     # ---- the rest -------------------------------------------------------------------------------------
     async def tokenize(self, request: Request) -> Response:
         body = await self.parse(request, TokenizeRequest)
         if (body.prompt is None) == (body.messages is None):
             raise APIError("give exactly one of prompt and messages", param="prompt")
         if body.prompt is not None:
-            tokens = self.text_prompt(body.prompt, body.add_special_tokens)
+            tokens = await self.offload(self.text_prompt, body.prompt, body.add_special_tokens)
         else:
-            mode = "auto" if body.tools else "none"
-            tokens = self.tokenizer.encode(self.chat_prompt(body, mode, None), add_special_tokens=False).ids
+            tokens = await self.offload(self.chat_ids, body, "auto" if body.tools else "none", None)
         result: dict[str, Any] = {
             "count": len(tokens),
             "max_model_len": self.engine.config.max_model_len,
@@ -265,13 +375,14 @@ class OpenAIServer:
     async def detokenize(self, request: Request) -> Response:
         body = await self.parse(request, DetokenizeRequest)
         try:
-            text = TextTokenizer(self.tokenizer).decode(body.tokens)
+            text = await self.offload(TextTokenizer(self.tokenizer).decode, body.tokens)
         except ValueError as err:
             raise APIError(str(err), param="tokens") from None
         return JSONResponse({"prompt": text})
 
     async def models(self, request: Request) -> Response:
         self.authorize(request)
+        self.check_accepting()
         data = [
             {
                 "id": name,

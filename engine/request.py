@@ -13,6 +13,20 @@ import torch
 # instance per request. It sees every output token in order, also after a preemption recomputes them.
 LogitsProcessor = Callable[[list[int], torch.Tensor], torch.Tensor]
 
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what a torch.Generator takes
+FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32: top_p and penalties stay above it
+MAX_STOP_STRINGS = 16
+MAX_STOP_LENGTH = 1024  # characters: the held-back text of a stream is at most this long
+
+
+class InvalidRequest(ValueError):
+    """A request the engine could never run; ``field`` names the argument at fault (``prompt`` or
+    ``max_tokens``), so an API can point its client at the right field."""
+
+    def __init__(self, message: str, field: str):
+        super().__init__(message)
+        self.field = field
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -38,11 +52,11 @@ class SamplingParams:
         need(self.max_tokens >= 1, f"max_tokens={self.max_tokens} must be at least 1")
         need(0.0 <= self.temperature <= 100.0, f"temperature={self.temperature} must be in [0, 100]")
         need(self.top_k >= 0, f"top_k={self.top_k} must be >= 0 (0 disables it)")
-        need(0.0 < self.top_p <= 1.0, f"top_p={self.top_p} must be in (0, 1]")
+        need(FLOAT32_TINY <= self.top_p <= 1.0, f"top_p={self.top_p} must be in [{FLOAT32_TINY}, 1]")
         need(0.0 <= self.min_p <= 1.0, f"min_p={self.min_p} must be in [0, 1]")
         need(
-            0.0 < self.repetition_penalty <= 10.0,
-            f"repetition_penalty={self.repetition_penalty} must be in (0, 10]",
+            FLOAT32_TINY <= self.repetition_penalty <= 10.0,
+            f"repetition_penalty={self.repetition_penalty} must be in [{FLOAT32_TINY}, 10]",
         )
         need(
             -2.0 <= self.presence_penalty <= 2.0,
@@ -55,9 +69,14 @@ class SamplingParams:
         need(
             self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs={self.logprobs} must be in [0, 20]"
         )
+        low, high = SEED_RANGE
+        need(self.seed is None or low <= self.seed <= high, f"seed={self.seed} must be in [{low}, {high}]")
         need(
             all(isinstance(s, str) and s for s in self.stop), f"stop={self.stop!r} must be non-empty strings"
         )
+        need(len(self.stop) <= MAX_STOP_STRINGS, f"{len(self.stop)} stop strings: at most {MAX_STOP_STRINGS}")
+        longest = max(map(len, self.stop), default=0)
+        need(longest <= MAX_STOP_LENGTH, f"a stop string of {longest} characters: at most {MAX_STOP_LENGTH}")
         need(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
              f"stop_token_ids={self.stop_token_ids!r} must be non-negative integers")  # fmt: skip
 
@@ -86,6 +105,7 @@ class FinishReason(str, Enum):
     STOP = "stop"  # EOS, a stop token or a stop string
     LENGTH = "length"
     ABORT = "abort"
+    ERROR = "error"  # this request alone failed in a step (``Request.error`` says why)
 
 
 _ids = itertools.count()
@@ -105,6 +125,7 @@ class Request:
     stop_text_at: int | None = None  # where a stop string starts in the detokenised output
     logits_processor: LogitsProcessor | None = None  # applied after the penalties, before sampling
     proposal: Proposal | None = None  # drafts to verify in the next step (speculative decoding)
+    error: str | None = None  # why it finished with FinishReason.ERROR
 
     @property
     def tokens(self) -> list[int]:

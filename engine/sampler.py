@@ -118,14 +118,22 @@ def penalize(
 
 
 def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    probs = (logits / params.temperature).softmax(dim=-1)
+    """The distribution to draw from; the most likely token always survives top-p and min-p, so any
+    parameters in range give one. Raises ValueError when no token is left (a processor masked them all)."""
+    # A tiny repetition penalty or temperature can push a logit to +inf: clamped, softmax stays defined.
+    scaled = (logits / params.temperature).clamp(max=torch.finfo(logits.dtype).max)
+    probs = scaled.softmax(dim=-1)
+    if not bool(torch.isfinite(probs).all()):
+        raise ValueError("no token has a finite probability after the penalties and the logits processor")
     if params.top_k and params.top_k < probs.shape[0]:
         kth = probs.topk(params.top_k).values[-1]
         probs = probs.masked_fill(probs < kth, 0.0)
     if params.top_p < 1.0:
         sorted_probs, order = probs.sort(descending=True)
         before = sorted_probs.cumsum(0) - sorted_probs  # mass of strictly better tokens
-        probs = probs.scatter(0, order, sorted_probs.masked_fill(before >= params.top_p * probs.sum(), 0.0))
+        cut = before >= params.top_p * probs.sum()
+        cut[0] = False
+        probs = probs.scatter(0, order, sorted_probs.masked_fill(cut, 0.0))
     if params.min_p > 0.0:
         probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
     return probs / probs.sum()

@@ -26,12 +26,15 @@ from engine.llm_engine import EngineConfig, LLMEngine
 from engine.metrics import Metrics
 from engine.openai_chat import chat_completions
 from engine.openai_protocol import APIError
-from engine.openai_server import OpenAIServer
+from engine.openai_server import MAX_REQUEST_BYTES, OpenAIServer
+from engine.shutdown import FLUSH_TIMEOUT, GracefulServer
 from engine.spec_decode import SPECULATIVE_METHODS
 from model.checkpoint import load_model
 from model.tiny import cached_tiny
 from model.tokenizer import load_tokenizer
 from triton_kernels import runtime
+
+log = logging.getLogger(__name__)
 
 ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/health",
              "/metrics")  # fmt: skip
@@ -48,7 +51,13 @@ class HTTPMetrics:
             await self.app(scope, receive, send)
             return
         endpoint = scope["path"] if scope["path"] in ENDPOINTS else "other"
-        started = False
+        started = disconnected = False
+
+        async def receive_watched() -> Message:
+            nonlocal disconnected
+            message = await receive()
+            disconnected = disconnected or message["type"] == "http.disconnect"
+            return message
 
         async def send_status(message: Message) -> None:
             nonlocal started
@@ -58,10 +67,10 @@ class HTTPMetrics:
             await send(message)
 
         try:
-            await self.app(scope, receive, send_status)
+            await self.app(scope, receive_watched, send_status)
         finally:
-            if not started:
-                self.metrics.http.labels(endpoint, "500").inc()
+            if not started:  # a client that went away is no server error
+                self.metrics.http.labels(endpoint, "499" if disconnected else "500").inc()
 
 
 def build_app(server: OpenAIServer, announce: str | None = None) -> FastAPI:
@@ -85,7 +94,7 @@ def build_app(server: OpenAIServer, announce: str | None = None) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200 if server.core.alive else 503)
+        return Response(status_code=200 if server.core.alive and server.core.accepting else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -93,7 +102,7 @@ def build_app(server: OpenAIServer, announce: str | None = None) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, err: APIError) -> Response:
-        return JSONResponse(err.body(), status_code=err.status)
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, err: HTTPException) -> Response:
@@ -101,6 +110,7 @@ def build_app(server: OpenAIServer, announce: str | None = None) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, err: Exception) -> Response:
+        log.error("internal error on %s", request.url.path, exc_info=err)
         return JSONResponse(APIError("internal server error", 500).body(), status_code=500)
 
     @app.exception_handler(RecursionError)
@@ -147,6 +157,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dspark-min-confidence", type=float, default=0.0,
                         help="verify the longest DSpark draft prefix whose confidence product stays at or "
                         "above this (default 0: every draft)")  # fmt: skip
+    parser.add_argument("--max-request-bytes", type=parse_size, default=MAX_REQUEST_BYTES,
+                        help="larger request bodies are refused with 413 (default: 4MiB)")  # fmt: skip
+    parser.add_argument("--max-waiting-requests", type=int, default=256,
+                        help="sequences waiting beyond --max-num-seqs; more: 503 (default 256)")  # fmt: skip
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
+                        help="seconds SIGTERM lets the requests in flight finish (default: 30)")  # fmt: skip
     parser.add_argument("--torch-threads", type=int, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     args = parser.parse_args(argv)
@@ -170,8 +186,16 @@ def main(argv: list[str] | None = None) -> None:
         f"{len(tuned)} tuned files in {tuned[0].parent}" if tuned else "heuristic defaults (no tuned files)"
     )
     logging.basicConfig(level=args.log_level.upper())
-    app = build_app(OpenAIServer(engine, names, args.api_key, str(path)), announce)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    try:
+        server = OpenAIServer(
+            engine, names, args.api_key, str(path), args.max_request_bytes, args.max_waiting_requests
+        )
+    except ValueError as err:
+        parser.error(str(err))
+    app = build_app(server, announce)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=FLUSH_TIMEOUT)  # fmt: skip
+    GracefulServer(config, server.core, args.shutdown_timeout).run()
 
 
 if __name__ == "__main__":

@@ -130,10 +130,14 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
-def loads_strict(text: str) -> Any:
-    """json.loads without NaN/Infinity, out-of-range floats or duplicate object keys (raises ValueError)."""
+def loads_strict(text: str, finite: bool = True) -> Any:
+    """json.loads without NaN/Infinity, duplicate object keys or (unless `finite` is False, for a caller
+    that locates them itself) out-of-range floats such as 1e400; raises ValueError."""
     return json.loads(
-        text, object_pairs_hook=_no_duplicate_keys, parse_constant=_reject_constant, parse_float=_finite_float
+        text,
+        object_pairs_hook=_no_duplicate_keys,
+        parse_constant=_reject_constant,
+        parse_float=_finite_float if finite else float,
     )
 
 
@@ -260,6 +264,11 @@ def _tools_section(tools: Any) -> str:
     return TOOLS_TEMPLATE.format(
         dsml=DSML, think_start=THINK_START, think_end=THINK_END, tool_schemas="\n".join(schemas)
     )
+
+
+def check_tools(tools: Any) -> None:
+    """Raise ChatFormatError for tools the encoding could not render (also when they are not shown)."""
+    _tools_section(tools)
 
 
 def _turns(messages: Any) -> list[_Turn]:
