@@ -33,6 +33,7 @@ from engine.openai_protocol import (
 )
 from engine.request import LogitsProcessor, SamplingParams
 from model.chat import ChatFormatError, encode_messages, loads_strict
+from model.chat_profile import ChatProfile, EffortError, select_chat_profile
 from model.tokenizer import TextTokenizer
 
 M = TypeVar("M", bound=BaseModel)
@@ -44,10 +45,18 @@ def sse(obj: object) -> str:
 
 
 class OpenAIServer:
-    def __init__(self, engine: LLMEngine, names: list[str], api_key: str | None = None, root: str = ""):
+    def __init__(
+        self,
+        engine: LLMEngine,
+        names: list[str],
+        api_key: str | None = None,
+        root: str = "",
+        chat: ChatProfile | None = None,
+    ):
         self.engine, self.names, self.api_key, self.root = engine, names, api_key, root
         self.tokenizer = engine.tokenizer
         self.cfg = engine.model.cfg
+        self.chat = chat or select_chat_profile(self.cfg.model_type, root or None)  # the chat encoding
         self.metrics = Metrics(names[0])
         self.core = AsyncEngine(engine, self.metrics)
         self.grammars = Grammars(self.tokenizer, self.cfg.vocab_size, self.cfg.eos_token_id)
@@ -226,6 +235,12 @@ class OpenAIServer:
     # ---- /v1/chat/completions ------------------------------------------------------------------------
     def chat_prompt(self, body: ChatCompletionRequest | TokenizeRequest, mode: str, schema: Any) -> str:
         kwargs = body.chat_template_kwargs
+        if body.thinking and body.reasoning_effort == "none":
+            raise APIError("reasoning_effort none turns thinking off", param="reasoning_effort")
+        try:
+            effort = self.chat.openai_effort(body.reasoning_effort)
+        except EffortError as err:
+            raise APIError(str(err), param="reasoning_effort") from None
         try:
             return encode_messages(
                 # Clients send unset optional fields as null (e.g. a returned assistant message's refusal).
@@ -233,9 +248,10 @@ class OpenAIServer:
                     {k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m
                     for m in body.messages or []
                 ],
+                profile=self.chat,
                 tools=body.tools if mode != "none" else None,
                 thinking=body.thinking,
-                reasoning_effort=body.reasoning_effort,
+                reasoning_effort=effort,
                 response_format=schema,  # shown to the model in the system section
                 add_generation_prompt=getattr(body, "add_generation_prompt", True),
                 drop_thinking=kwargs.drop_thinking if kwargs else True,

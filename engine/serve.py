@@ -28,6 +28,7 @@ from engine.openai_chat import chat_completions
 from engine.openai_protocol import APIError
 from engine.openai_server import OpenAIServer
 from engine.spec_decode import SPECULATIVE_METHODS
+from model.chat_profile import PROFILES, select_chat_profile
 from model.checkpoint import load_model
 from model.tiny import cached_tiny
 from model.tokenizer import load_tokenizer
@@ -147,6 +148,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dspark-min-confidence", type=float, default=0.0,
                         help="verify the longest DSpark draft prefix whose confidence product stays at or "
                         "above this (default 0: every draft)")  # fmt: skip
+    parser.add_argument("--chat-encoding", choices=PROFILES,
+                        help="override the checkpoint's chat encoding (docs/serving.md)")  # fmt: skip
     parser.add_argument("--torch-threads", type=int, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     args = parser.parse_args(argv)
@@ -160,17 +163,20 @@ def main(argv: list[str] | None = None) -> None:
                               num_speculative_tokens=args.num_speculative_tokens,
                               dspark_min_confidence=args.dspark_min_confidence)  # fmt: skip
         engine = LLMEngine(load_model(path), load_tokenizer(path), config)
+        chat = PROFILES[args.chat_encoding] if args.chat_encoding else None
+        chat = chat or select_chat_profile(engine.model.cfg.model_type, path)
     except (ValueError, FileNotFoundError) as err:
         parser.error(str(err))
     names = args.served_model_name or ["deepseek-v4.1-tiny" if args.model is None else path.resolve().name]
     url = f"http://{args.host}:{args.port}"
     announce = f"Serving {names[0]} from {path} at {url}/v1  (try: curl {url}/v1/models)"
+    announce += f"\nChat encoding: {chat.name}" + (" (--chat-encoding)" if args.chat_encoding else "")
     tuned = engine.tuned_files
     announce += f"\nKernel configs for {runtime.sku()}: " + (
         f"{len(tuned)} tuned files in {tuned[0].parent}" if tuned else "heuristic defaults (no tuned files)"
     )
     logging.basicConfig(level=args.log_level.upper())
-    app = build_app(OpenAIServer(engine, names, args.api_key, str(path)), announce)
+    app = build_app(OpenAIServer(engine, names, args.api_key, str(path), chat), announce)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
 
 
