@@ -163,8 +163,7 @@ def main(argv: list[str] | None = None) -> None:
                               num_speculative_tokens=args.num_speculative_tokens,
                               dspark_min_confidence=args.dspark_min_confidence)  # fmt: skip
         engine = LLMEngine(load_model(path), load_tokenizer(path), config)
-        chat = PROFILES[args.chat_encoding] if args.chat_encoding else None
-        chat = chat or select_chat_profile(engine.model.cfg.model_type, path)
+        chat = select_chat_profile(engine.model.cfg.model_type, path, args.chat_encoding)
     except (ValueError, FileNotFoundError) as err:
         parser.error(str(err))
     names = args.served_model_name or ["deepseek-v4.1-tiny" if args.model is None else path.resolve().name]

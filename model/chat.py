@@ -256,7 +256,7 @@ def _turns(messages: Any, profile: ChatProfile) -> list[_Turn]:
             index = _resolve_result(msg.get("tool_call_id"), call_ids, answered, at)
             text = f"{TOOL_RESULT_START}{text}{TOOL_RESULT_END}"
         task = msg.get("task")
-        if task is not None and task not in TASKS:
+        if task is not None and (not isinstance(task, str) or task not in TASKS):
             raise ChatFormatError(f"{at}.task", f"must be one of {sorted(TASKS)}")
         # A task message is a turn of its own: the model answers it, not the turns around it.
         if task is not None or not turns or turns[-1].role != "user" or turns[-1].task is not None:

@@ -153,13 +153,19 @@ V41 = ChatProfile(
 PROFILES = {p.name: p for p in (V4, V4_0731, V41)}
 
 
-def select_chat_profile(model_type: str, checkpoint: str | Path | None = None) -> ChatProfile:
-    """The encoding a checkpoint was trained with (§11.3).
+def select_chat_profile(
+    model_type: str, checkpoint: str | Path | None = None, override: str | None = None
+) -> ChatProfile:
+    """The encoding a checkpoint was trained with (§11.3), or the profile named by `override`.
 
     V4.1 by its model type. The two V4 revisions differ only in the effort texts and share their configs,
     so the checkpoint's own `encoding/encoding_dsv4.py` decides: the 0731 one carries the "Beyond maximum"
     text. Without that file: 0731, as other servers do (`--chat-encoding` overrides).
     """
+    if override is not None:
+        if override not in PROFILES:
+            raise ValueError(f"chat encoding {override!r} is not one of {list(PROFILES)}")
+        return PROFILES[override]
     if model_type == "deepseek_v41":
         return V41
     if model_type != "deepseek_v4":
