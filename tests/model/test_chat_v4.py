@@ -7,48 +7,34 @@ from model.chat import ChatFormatError, encode_messages
 from model.chat_profile import PROFILES, V4, V4_0731, V41, select_chat_profile
 from tests.model.test_chat import (
     ASSISTANT,
+    BLOCK,
     BOS,
+    CHAT,
     END_THINK,
     EOS,
+    GEN,
     HIGH,
+    HISTORY,
+    KEPT,
     MAX,
     REMINDER,
     RESPONSE_FORMAT,
+    RESULTS,
     THINK,
     TOOL,
+    TOOL_TURN,
     TOOLS_SECTION,
+    TURNS,
     USER,
+    S,
+    T,
+    U,
     assistant,
-    call,
-    tool,
+    system,
+    task,
     user,
 )
 
-T = {"thinking": True}
-CHAT, GEN = ASSISTANT + END_THINK, ASSISTANT + THINK
-
-
-def system(text):
-    return {"role": "system", "content": text}
-
-
-def task(text, name):
-    return user(text) | {"task": name}
-
-
-S, U = system("S"), user("U")
-HISTORY = [S, user("q1"), assistant("a1", "r1"), user("q2")]
-DROPPED = f"{USER}q1{CHAT}a1{EOS}{USER}q2{ASSISTANT}"
-KEPT = f"{USER}q1{GEN}r1{END_THINK}a1{EOS}{USER}q2{GEN}"
-CALLS = [call("a", "get_weather", city="Paris", days=[1, 2]), call("b", "now")]
-BLOCK = (
-    '\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="get_weather">\n'
-    '<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>\n'
-    '<｜DSML｜parameter name="days" string="false">[1, 2]</｜DSML｜parameter>\n'
-    '</｜DSML｜invoke>\n<｜DSML｜invoke name="now">\n\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>'
-)
-RESULTS = "<tool_result>A</tool_result>\n\n<tool_result>B</tool_result>"
-TOOL_TURN = [user("q"), assistant("Let me check.", calls=CALLS), tool("b", "B"), tool("a", "A")]
 CALL_TEXT = f"{USER}q{CHAT}Let me check.{BLOCK}{EOS}"
 DEV = {"role": "developer", "content": "D"}
 
@@ -91,18 +77,18 @@ LAYOUTS = {
         {},
         f"{CALL_TEXT}{USER}{RESULTS}{USER}t{ASSISTANT}<｜domain｜>",
     ),
-    "reasoning dropped before the last user turn": (HISTORY, T, f"S{DROPPED}{THINK}"),
+    "reasoning dropped before the last user turn": (HISTORY, T, f"S{TURNS}{THINK}"),
     "reasoning kept with dropping off": (HISTORY, {**T, "drop_thinking": False}, f"S{KEPT}"),
     "reasoning after the last user turn is kept": (
         [U, assistant("a", "r")],
         T,
         f"{USER}U{GEN}r{END_THINK}a{EOS}",
     ),
-    "chat mode history": (HISTORY, {}, f"S{DROPPED}{END_THINK}"),
+    "chat mode history": (HISTORY, {}, f"S{TURNS}{END_THINK}"),
     "no generation prompt": (
         HISTORY,
         {"add_generation_prompt": False},
-        f"S{DROPPED.removesuffix(ASSISTANT)}",
+        f"S{TURNS.removesuffix(ASSISTANT)}",
     ),
     "developer turn": ([DEV, assistant("a"), user("q")], {}, f"{USER}D{CHAT}a{EOS}{USER}q{CHAT}"),
     "developer dropped before the last user turn": (

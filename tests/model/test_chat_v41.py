@@ -7,59 +7,43 @@ from model.chat_profile import V41
 from tests.model.test_chat import (
     ASSISTANT,
     BOS,
+    CHAT,
     END_THINK,
     EOS,
+    GEN,
     REMINDER,
-    RESPONSE_FORMAT,
-    THINK,
     TOOL,
+    TOOL_TURN,
     TOOLS_SECTION,
     USER,
+    S,
+    T,
+    U,
     assistant,
-    call,
+    system,
+    task,
     tool,
     user,
 )
+from tests.model.test_chat_v4 import LAYOUTS
 
 SYS = "<｜System｜>"
-# The V4.1 tools section is the V4 one with every DSML tag name given a leading space.
-TOOLS41 = (
-    TOOLS_SECTION.replace("｜DSML｜tool_calls", "｜DSML｜ calls")
-    .replace("｜DSML｜invoke", "｜DSML｜ invoke")
-    .replace("｜DSML｜parameter", "｜DSML｜ parameter")
-)
-T = {"thinking": True}
-CHAT = ASSISTANT + END_THINK  # a chat-mode generation header
-GEN = ASSISTANT + THINK  # a thinking-mode one, reasoning kept
+
+
+def v41_tags(text):
+    """V4 text with every DSML tag name given V4.1's leading space."""
+    for tag in ("tool_calls", "invoke", "parameter"):
+        text = text.replace(f"｜DSML｜{tag}", f"｜DSML｜ {'calls' if tag == 'tool_calls' else tag}")
+    return text
+
+
+TOOLS41 = v41_tags(TOOLS_SECTION)
 E75 = "Reasoning Effort: 75 (range 1-100, the higher the value, the more thorough the reasoning)\n\n"
 
 
 def effort(n):
     return E75.replace("75", str(n))
 
-
-def system(text):
-    return {"role": "system", "content": text}
-
-
-def task(text, name):
-    return user(text) | {"task": name}
-
-
-S, U = system("S"), user("U")
-HISTORY = [S, user("q1"), assistant("a1", "r1"), user("q2")]
-DROPPED = f"{USER}q1{ASSISTANT}{END_THINK}a1{EOS}{USER}q2{ASSISTANT}"
-KEPT = f"{USER}q1{ASSISTANT}{THINK}r1{END_THINK}a1{EOS}{USER}q2{GEN}"
-CALLS = [call("a", "get_weather", city="Paris", days=[1, 2]), call("b", "now")]
-BLOCK41 = (
-    '\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name="get_weather">\n'
-    '<｜DSML｜ parameter name="city" string="true">Paris</｜DSML｜ parameter>\n'
-    '<｜DSML｜ parameter name="days" string="false">[1, 2]</｜DSML｜ parameter>\n'
-    '</｜DSML｜ invoke>\n<｜DSML｜ invoke name="now">\n\n</｜DSML｜ invoke>\n</｜DSML｜ calls>'
-)
-RESULTS = "<tool_result>A</tool_result>\n\n<tool_result>B</tool_result>"
-TOOL_TURN = [user("q"), assistant("Let me check.", calls=CALLS), tool("b", "B"), tool("a", "A")]
-CALL_TEXT = f"{USER}q{ASSISTANT}{END_THINK}Let me check.{BLOCK41}{EOS}"
 
 CASES = {
     # The three worked prompts of §11.2.
@@ -89,62 +73,20 @@ CASES = {
         {},
         f"{USER}U{SYS}S2{USER}U2{CHAT}",
     ),
-    "tools with a system message": ([S, user("q")], {"tools": [TOOL]}, f"{SYS}S\n\n{TOOLS41}{USER}q{CHAT}"),
-    "tools without a system message": ([user("q")], {"tools": [TOOL]}, f"{SYS}\n\n{TOOLS41}{USER}q{CHAT}"),
     "tools go first even before a later system": (
         [user("q"), system("S2")],
         {"tools": [TOOL]},
         f"{SYS}\n\n{TOOLS41}{USER}q{SYS}S2{CHAT}",
     ),
-    "tools in thinking mode keep all reasoning": (
-        HISTORY,
-        {"tools": [TOOL], "thinking": True},
-        f"{SYS}{E75}S\n\n{TOOLS41}{KEPT}",
+    "tools and a later system message in thinking mode": (
+        [user("q"), assistant("a", "r"), system("S2")],
+        {"tools": [TOOL], **T},
+        f"{SYS}{E75}\n\n{TOOLS41}{USER}q{GEN}r{END_THINK}a{EOS}{SYS}S2{GEN}",
     ),
-    "response format": (
-        [S, U],
-        {"response_format": {"type": "object"}},
-        f"{SYS}S\n\n{RESPONSE_FORMAT}{USER}U{CHAT}",
-    ),
-    "tool calls, results re-ordered": (TOOL_TURN, {}, f"{CALL_TEXT}{USER}{RESULTS}{CHAT}"),
-    "tool results merge with the following user message": (
-        [*TOOL_TURN, user("more")],
+    "a task after a later system message": (
+        [S, system("S2"), task("q", "query")],
         {},
-        f"{CALL_TEXT}{USER}{RESULTS}\n\nmore{CHAT}",
-    ),
-    "a task message does not merge": (
-        [*TOOL_TURN, task("t", "title")],
-        {},
-        f"{CALL_TEXT}{USER}{RESULTS}{USER}t{ASSISTANT}<｜title｜>",
-    ),
-    "reasoning dropped before the last user turn": (HISTORY, T, f"{SYS}{E75}S{DROPPED}{THINK}"),
-    "reasoning kept with dropping off": (
-        HISTORY,
-        {"thinking": True, "drop_thinking": False},
-        f"{SYS}{E75}S{KEPT}",
-    ),
-    "reasoning after the last user turn is kept": (
-        [U, assistant("a", "r")],
-        T,
-        f"{SYS}{E75}{USER}U{ASSISTANT}{THINK}r{END_THINK}a{EOS}",
-    ),
-    "chat mode history": (HISTORY, {}, f"{SYS}S{DROPPED}{END_THINK}"),
-    "no generation prompt": (
-        HISTORY,
-        {"add_generation_prompt": False},
-        f"{SYS}S{DROPPED.removesuffix(ASSISTANT)}",
-    ),
-    "query task": ([task("q", "query")], {}, f"{USER}q{ASSISTANT}<｜query｜>"),
-    "action task in thinking mode": (
-        [task("do", "action")],
-        T,
-        f"{SYS}{E75}{USER}do{ASSISTANT}{THINK}<｜action｜>",
-    ),
-    "action task in chat mode": ([task("do", "action")], {}, f"{USER}do{ASSISTANT}{END_THINK}<｜action｜>"),
-    "a task's answer has no reasoning part": (
-        [task("q", "query"), assistant("k", "r"), user("U")],
-        T,
-        f"{SYS}{E75}{USER}q{ASSISTANT}<｜query｜>k{EOS}{USER}U{GEN}",
+        f"{SYS}S{SYS}S2{USER}q{ASSISTANT}<｜query｜>",
     ),
     "latest reminder": (
         [U, {"role": "latest_reminder", "content": "R"}],
@@ -158,6 +100,24 @@ CASES = {
 @pytest.mark.parametrize(("messages", "kwargs", "expected"), CASES.values(), ids=CASES)
 def test_layout(messages, kwargs, expected):
     assert encode_messages(messages, profile=V41, **kwargs) == BOS + expected
+
+
+# The V4 layouts without a later system message (tools with and without a system message, tool results
+# merged and re-ordered, reasoning dropped or kept, tasks, developer and reminder turns).
+CARRIED = {k: v for k, v in LAYOUTS.items() if all(m["role"] != "system" for m in v[0][1:])}
+
+
+@pytest.mark.parametrize(("messages", "kwargs", "v4_prompt"), CARRIED.values(), ids=CARRIED)
+def test_v4_layouts_carry_over(messages, kwargs, v4_prompt):
+    """Elsewhere V4.1 lays a conversation out as V4 does, with three differences: `<｜System｜>` opens the
+    prompt when it has a system part, thinking mode adds the effort paragraph there, and the DSML tags
+    have V4.1's names."""
+    thinking = kwargs.get("thinking", False)
+    system_part = (
+        thinking or messages[0]["role"] == "system" or "tools" in kwargs or "response_format" in kwargs
+    )
+    head = (SYS if system_part else "") + (E75 if thinking else "")
+    assert encode_messages(messages, profile=V41, **kwargs) == BOS + head + v41_tags(v4_prompt)
 
 
 BAD = {
