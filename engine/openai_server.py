@@ -235,10 +235,8 @@ class OpenAIServer:
     # ---- /v1/chat/completions ------------------------------------------------------------------------
     def chat_prompt(self, body: ChatCompletionRequest | TokenizeRequest, mode: str, schema: Any) -> str:
         kwargs = body.chat_template_kwargs
-        if body.thinking and body.reasoning_effort == "none":
-            raise APIError("reasoning_effort none turns thinking off", param="reasoning_effort")
         try:
-            effort = self.chat.openai_effort(body.reasoning_effort)
+            effort = self.chat.openai_effort(body.reasoning_effort, body.thinking)
         except EffortError as err:
             raise APIError(str(err), param="reasoning_effort") from None
         try:

@@ -111,8 +111,10 @@ class ChatProfile:
             return V41_EFFORT.format(value) if self.v41 else str(value)
         raise EffortError(f"{effort!r} is not an effort of the {self.name} encoding ({self.accepted()})")
 
-    def openai_effort(self, effort: str | int | None) -> str | int | None:
+    def openai_effort(self, effort: str | int | None, thinking: bool = False) -> str | int | None:
         """An API `reasoning_effort` as this profile's own value (None: the default or chat mode)."""
+        if effort == NO_EFFORT and thinking:
+            raise EffortError("none turns thinking off, but thinking mode was asked for")
         if effort is None or effort == NO_EFFORT:
             return None
         if isinstance(effort, str) and effort in self.openai_efforts:

@@ -189,6 +189,8 @@ def test_openai_effort_names(name, values):
 
 def test_openai_effort_numbers_only_for_v41():
     assert V41.openai_effort(42) == 42
+    with pytest.raises(ValueError, match="none turns thinking off"):
+        V41.openai_effort("none", thinking=True)
     for profile, bad in [(V4, 42), (V4_0731, 42), (V41, 0), (V41, 101), (V41, "extreme"), (V41, True)]:
         with pytest.raises(ValueError, match=profile.name):
             profile.openai_effort(bad)

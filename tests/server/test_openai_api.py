@@ -281,6 +281,8 @@ def test_the_tiny_v41_renders_with_the_v41_encoding(server: Served):
     assert rendered(reasoning_effort="xhigh") == encoded(profile=V41, thinking=True, reasoning_effort=100)
     assert rendered(reasoning_effort=30) == encoded(profile=V41, thinking=True, reasoning_effort=30)
     assert rendered(reasoning_effort="none") == encoded(profile=V41)
-    for bad in ("extreme", 0, 101):
-        reply = server.http().post("/tokenize", json={"messages": messages, "reasoning_effort": bad})
+    thinking_on = {"chat_template_kwargs": {"thinking": True}}
+    for bad in ({"reasoning_effort": "extreme"}, {"reasoning_effort": 0}, {"reasoning_effort": 101},
+                {"reasoning_effort": "none", **thinking_on}):  # fmt: skip
+        reply = server.http().post("/tokenize", json={"messages": messages, **bad})
         assert reply.status_code == 400 and reply.json()["error"]["param"] == "reasoning_effort"
