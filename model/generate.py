@@ -41,7 +41,7 @@ def greedy(model: DeepseekV4, prompt: list[int], max_new_tokens: int, use_cache:
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="checkpoint folder (default: a tiny random checkpoint of --arch)")
     parser.add_argument("--arch", default="v4", choices=ARCHS)
@@ -49,7 +49,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--chat", action="store_true", help="send the prompt as a user message, chat-encoded")
     parser.add_argument("--chat-encoding", choices=PROFILES, help="with --chat: override the checkpoint's")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     path = Path(args.model) if args.model else cached_tiny(args.arch)
     model = load_model(path)
     tokenizer = load_tokenizer(path / "tokenizer.json")

@@ -3,6 +3,7 @@ in their effort levels; the choice of profile per checkpoint (§11.3) and OpenAI
 
 import pytest
 
+from model import generate
 from model.chat import ChatFormatError, encode_messages
 from model.chat_profile import PROFILES, V4, V4_0731, V41, select_chat_profile
 from tests.model.test_chat import (
@@ -208,3 +209,12 @@ def test_profile_selection(tmp_path):
     assert select_chat_profile("deepseek_v4", tmp_path) is V4_0731
     with pytest.raises(ValueError, match="deepseek_v3"):
         select_chat_profile("deepseek_v3", tmp_path)
+    assert select_chat_profile("deepseek_v41", tmp_path, override="v4") is V4  # --chat-encoding
+    with pytest.raises(ValueError, match="v5"):
+        select_chat_profile("deepseek_v41", tmp_path, override="v5")
+
+
+@pytest.mark.parametrize(("argv", "profile"), [([], "v41"), (["--chat-encoding", "v4"], "v4")])
+def test_generate_chat_uses_the_checkpoints_encoding(capsys, argv, profile):
+    generate.main(["--arch", "v41", "--chat", "--prompt", "Hi", "--max-tokens", "1", *argv])
+    assert capsys.readouterr().out.startswith(f"chat encoding: {profile}\n")
