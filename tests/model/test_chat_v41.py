@@ -97,6 +97,19 @@ CASES = {
 }
 
 
+def test_the_worked_prompts_of_the_spec_byte_for_byte():
+    effort = "Reasoning Effort: 75 (range 1-100, the higher the value, the more thorough the reasoning)"
+    assert (
+        encode_messages([S, U], profile=V41, thinking=True)
+        == f"<｜begin▁of▁sentence｜><｜System｜>{effort}\n\nS<｜User｜>U<｜Assistant｜><think>"
+    )
+    assert (
+        encode_messages([S, U], profile=V41)
+        == "<｜begin▁of▁sentence｜><｜System｜>S<｜User｜>U<｜Assistant｜></think>"
+    )
+    assert encode_messages([U], profile=V41) == "<｜begin▁of▁sentence｜><｜User｜>U<｜Assistant｜></think>"
+
+
 @pytest.mark.parametrize(("messages", "kwargs", "expected"), CASES.values(), ids=CASES)
 def test_layout(messages, kwargs, expected):
     assert encode_messages(messages, profile=V41, **kwargs) == BOS + expected
