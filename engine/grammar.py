@@ -17,6 +17,7 @@ from tokenizers import Tokenizer
 
 from engine.request import LogitsProcessor
 from model.chat import NAME_RE
+from model.chat_profile import V4_0731, ChatProfile
 from model.tokenizer import DSML, THINK_END
 
 # Compact JSON with at most one space after ':' and ',': a model can write either common style, and cannot
@@ -95,6 +96,18 @@ class Grammars:
         escaped = json.dumps(marker, ensure_ascii=False)[1:-1].replace("/", "\\/")
         return f"/(?s:.*)/ & ~/(?s:.*){escaped}(?s:.*)/"
 
+    def _text_then(self, marker: str) -> tuple[str, str]:
+        """A terminal for text up to `marker`, and what the rule writes after it.
+
+        A marker that is plain text (V4.1's tags are not tokens) ends the same terminal: llguidance's lexer
+        is greedy and would otherwise take the marker's first bytes as text and then fail.
+        """
+        lit = self._lit(marker)
+        if lit.startswith("<["):
+            return self._free_text_until(marker), lit
+        escaped = json.dumps(marker, ensure_ascii=False)[1:-1].replace("/", "\\/")
+        return f"/(?s:.*){escaped}/ & ~/(?s:.*){escaped}(?s:.+)/", ""
+
     def _wrap(self, body: str, thinking: bool, rules: list[str]) -> str:
         """The grammar text: in thinking mode the constraint starts after `</think>`."""
         if not thinking:
@@ -112,14 +125,20 @@ class Grammars:
         return self._wrap("value", thinking, [f"value: {self._json(schema)}"])
 
     def tool_calls(
-        self, tools: list[dict[str, Any]], only: str | None, thinking: bool, parallel: bool
+        self,
+        tools: list[dict[str, Any]],
+        only: str | None,
+        thinking: bool,
+        parallel: bool,
+        profile: ChatProfile = V4_0731,
     ) -> str:
-        """Exactly the DSML block of model/chat.py, calling `only` (once) or any of `tools`.
+        """Exactly the DSML block model/chat.py renders in `profile`, calling `only` (once) or any of `tools`.
 
         Required parameters are generated in schema order and optional ones left out. Unconstrained string
         parameters are written raw (string="true", as the model was trained); every other parameter as JSON
         enforced by its schema (string="false", which the parser reads the same way).
         """
+        invoke_tag, param_tag, calls_tag = profile.invoke_tag, profile.parameter_tag, profile.calls_tag
         rules, invokes = [], []
         for k, tool in enumerate(tools):
             fn = tool.get("function") if isinstance(tool, dict) else None
@@ -137,24 +156,26 @@ class Grammars:
                 schema = props.get(key, {})
                 raw = isinstance(schema, dict) and set(schema) <= {"type", "description", "title"}
                 raw = raw and schema.get("type") == "string"
-                head = f'<{DSML}parameter name="{key}" string="{"true" if raw else "false"}">'
+                head = f'<{DSML}{param_tag} name="{key}" string="{"true" if raw else "false"}">'
+                end = f"</{DSML}{param_tag}>"
                 if raw:
-                    rules.append(f"RAW_{k}_{j}: {self._free_text_until(f'</{DSML}parameter>')}")
-                    value = f"RAW_{k}_{j}"
+                    text, close = self._text_then(end)
+                    rules.append(f"RAW_{k}_{j}: {text}")
+                    value = f"RAW_{k}_{j} {close}"
                 else:
                     rules.append(f"json_{k}_{j}: {self._json(schema)}")
-                    value = f"json_{k}_{j}"
-                parts.append(f"{_quote(head)} {value} {self._lit(f'</{DSML}parameter>')}")
+                    value = f"json_{k}_{j} {self._lit(end)}"
+                parts.append(f"{_quote(head)} {value}")
             body = ' "\\n" '.join(parts) if parts else '""'
-            head = _quote(f'<{DSML}invoke name="{fn.get("name")}">\n')
-            rules.append(f'invoke_{k}: {head} {body} "\\n" {self._lit(f"</{DSML}invoke>")}')
+            head = _quote(f'<{DSML}{invoke_tag} name="{fn.get("name")}">\n')
+            rules.append(f'invoke_{k}: {head} {body} "\\n" {self._lit(f"</{DSML}{invoke_tag}>")}')
             invokes.append(f"invoke_{k}")
         if not invokes:
             raise GrammarError(f"no tool named {only!r}" if only else "tools must not be empty")
         repeat = '("\\n" invoke)*' if parallel and only is None else ""
         block = (
-            f'"\\n\\n" {self._lit(f"<{DSML}tool_calls>")} "\\n" invoke {repeat} "\\n" '
-            f"{self._lit(f'</{DSML}tool_calls>')}"
+            f'"\\n\\n" {self._lit(f"<{DSML}{calls_tag}>")} "\\n" invoke {repeat} "\\n" '
+            f"{self._lit(f'</{DSML}{calls_tag}>')}"
         )
         return self._wrap(block, thinking, [f"invoke: {' | '.join(invokes)}", *rules])
 

@@ -1,4 +1,4 @@
-"""`POST /v1/chat/completions`: the V4 chat encoding in, reasoning / content / tool calls out.
+"""`POST /v1/chat/completions`: the checkpoint's chat encoding in, reasoning / content / tool calls out.
 
 A streamed choice and a non-streamed one pass through the same ChatChoice (the latter fed its final text
 at once), so the concatenated stream is the non-streamed message. `response_format` and a forced
@@ -48,7 +48,7 @@ async def chat_completions(server: OpenAIServer, request: Request) -> Response:
             grammar = server.grammars.json(schema, body.thinking)
         elif mode in ("required", "named"):
             grammar = server.grammars.tool_calls(
-                body.tools or [], named, body.thinking, body.parallel_tool_calls
+                body.tools or [], named, body.thinking, body.parallel_tool_calls, server.chat
             )
         else:
             grammar = None
@@ -60,7 +60,7 @@ async def chat_completions(server: OpenAIServer, request: Request) -> Response:
     ]
     limit_param = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
     group = await server.submit("chatcmpl", seqs, "messages", limit_param)
-    choices = [ChatChoice(params.stop, body.thinking, mode != "none") for _, params, _ in seqs]
+    choices = [ChatChoice(params.stop, body.thinking, mode != "none", server.chat) for _, params, _ in seqs]
     base = {"id": group.ids[0].rsplit("-", 1)[0], "object": "chat.completion", "created": group.created,
             "model": body.model or server.names[0]}  # fmt: skip
 

@@ -12,6 +12,7 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from model.chat_parse import CompletionParseError, StreamDelta, StreamParser, ToolCall
+from model.chat_profile import V4_0731, ChatProfile
 from model.tokenizer import THINK_END
 
 
@@ -48,8 +49,10 @@ def new_call_id(index: int) -> str:
 class ChatChoice:
     """One chat choice: the engine's text, released past stop strings, parsed into message parts."""
 
-    def __init__(self, stops: tuple[str, ...], thinking: bool, tools_enabled: bool):
-        self.release, self.output = TextRelease(stops), ChatOutput(thinking, tools_enabled)
+    def __init__(
+        self, stops: tuple[str, ...], thinking: bool, tools_enabled: bool, profile: ChatProfile = V4_0731
+    ):
+        self.release, self.output = TextRelease(stops), ChatOutput(thinking, tools_enabled, profile)
 
     def advance(self, text: str, finish_reason: str | None) -> tuple[StreamDelta, str | None]:
         """The new message parts, and the finish reason once finished (tool_calls when it called tools)."""
@@ -66,52 +69,59 @@ class ChatChoice:
 class ChatOutput:
     """Reasoning, content and tool calls of one choice, from the generated text.
 
-    Tool calls are handed out once the block is complete, at finish. Text that announces tool calls but
-    breaks the DSML grammar (or calls tools when none may be called) is delivered as content from the
-    point where the content stopped, so nothing generated is lost and no error reaches the client.
+    Parsed with the profile's parser. Tool calls are handed out once the block is complete, at finish.
+    Text that announces tool calls but breaks the DSML grammar (or calls tools when none may be called) is
+    delivered as content from the point where the content stopped, so nothing generated is lost and no
+    error reaches the client.
     """
 
-    def __init__(self, thinking: bool, tools_enabled: bool):
+    def __init__(self, thinking: bool, tools_enabled: bool, profile: ChatProfile = V4_0731):
         self.thinking, self.tools_enabled = thinking, tools_enabled
-        self.parser = StreamParser(thinking=thinking, id_factory=new_call_id)
-        self.text = ""
-        self.content = ""
+        self.parser = StreamParser(thinking=thinking, id_factory=new_call_id, profile=profile)
+        self.text = self.reasoning = self.content = ""
         self.calls: list[ToolCall] = []
         self.failed = False
 
     def feed(self, text: str) -> StreamDelta:
         self.text += text
-        if self.failed:
-            return self._content(text)
-        try:
-            d = self.parser.feed(text)
-        except CompletionParseError:
-            return self._fail()
-        self.calls += d.tool_calls
-        return self._content(d.content, d.reasoning_content)
+        if not self.failed:
+            try:
+                d = self.parser.feed(text)
+            except CompletionParseError:
+                self.failed = True
+            else:
+                self.calls += d.tool_calls
+                return self._add(d.reasoning_content, d.content)
+        return self._as_text(final=False)
 
     def finish(self) -> StreamDelta:
-        if self.failed:
-            return StreamDelta()
-        try:
-            d = self.parser.finish()
-        except CompletionParseError:
-            return self._fail()
-        calls = self.calls + d.tool_calls
-        if calls and not self.tools_enabled:
-            return self._fail()
-        delta = self._content(d.content, d.reasoning_content)
-        delta.tool_calls = calls
-        return delta
+        if not self.failed:
+            try:
+                d = self.parser.finish()
+            except CompletionParseError:
+                self.failed = True
+            else:
+                calls = self.calls + d.tool_calls
+                if self.tools_enabled or not calls:
+                    delta = self._add(d.reasoning_content, d.content)
+                    delta.tool_calls = calls
+                    return delta
+                self.failed = True
+        return self._as_text(final=True)
 
-    def _content(self, content: str, reasoning: str = "") -> StreamDelta:
+    def _add(self, reasoning: str, content: str) -> StreamDelta:
+        self.reasoning += reasoning
         self.content += content
         return StreamDelta(reasoning, content)
 
-    def _fail(self) -> StreamDelta:
-        self.failed = True
-        after = self.text.split(THINK_END, 1)[1] if self.thinking else self.text
-        return self._content(after[len(self.content) :])
+    def _as_text(self, final: bool) -> StreamDelta:
+        """After a parse failure: reasoning up to `</think>`, the rest content, tool-call syntax and all."""
+        reasoning, content = "", self.text
+        if self.thinking:
+            reasoning, seen, content = self.text.partition(THINK_END)
+            if not seen and not final:
+                reasoning = reasoning[: len(reasoning) - _held_back(reasoning, THINK_END)]
+        return self._add(reasoning[len(self.reasoning) :], content[len(self.content) :])
 
 
 def _byte_level_alphabet() -> dict[str, int]:

@@ -201,7 +201,7 @@ class _ChatTemplate(_Strict):
     """What the chat encoding takes besides the messages."""
 
     tools: list[Any] | None = None  # checked by the chat encoding, as the messages
-    reasoning_effort: str | None = None
+    reasoning_effort: str | int | None = None  # OpenAI's names or the encoding's own (docs/serving.md)
     chat_template_kwargs: ChatTemplateKwargs | None = None
 
     @property
@@ -209,7 +209,7 @@ class _ChatTemplate(_Strict):
         kwargs = self.chat_template_kwargs
         if kwargs is not None and kwargs.thinking is not None:
             return kwargs.thinking
-        return self.reasoning_effort is not None
+        return self.reasoning_effort not in (None, "none")
 
 
 class ChatCompletionRequest(Sampling, _ChatTemplate):

@@ -36,6 +36,7 @@ from engine.openai_protocol import (
 )
 from engine.request import InvalidRequest, LogitsProcessor, SamplingParams
 from model.chat import ChatFormatError, check_tools, encode_messages, loads_strict
+from model.chat_profile import ChatProfile, EffortError, select_chat_profile
 from model.tokenizer import TextTokenizer
 
 M = TypeVar("M", bound=BaseModel)
@@ -84,6 +85,7 @@ class OpenAIServer:
         names: list[str],
         api_key: str | None = None,
         root: str = "",
+        chat: ChatProfile | None = None,
         max_request_bytes: int = MAX_REQUEST_BYTES,
         max_waiting: int = 256,
     ):
@@ -91,6 +93,7 @@ class OpenAIServer:
         self.max_request_bytes = max_request_bytes
         self.tokenizer = engine.tokenizer
         self.cfg = engine.model.cfg
+        self.chat = chat or select_chat_profile(self.cfg.model_type, root or None)  # the chat encoding
         self.metrics = Metrics(names[0])
         self.core = AsyncEngine(engine, self.metrics, max_waiting)
         self.workers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="request")
@@ -333,17 +336,22 @@ class OpenAIServer:
     def chat_prompt(self, body: ChatCompletionRequest | TokenizeRequest, mode: str, schema: Any) -> str:
         kwargs = body.chat_template_kwargs
         try:
+            effort = self.chat.openai_effort(body.reasoning_effort, body.thinking)
+        except EffortError as err:
+            raise APIError(str(err), param="reasoning_effort") from None
+        try:
             if mode == "none" and body.tools is not None:
-                check_tools(body.tools)  # not shown to the model, yet a malformed list is the client's bug
+                check_tools(body.tools, self.chat)  # not shown to the model, yet checked
             return encode_messages(
                 # Clients send unset optional fields as null (e.g. a returned assistant message's refusal).
                 [
                     {k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m
                     for m in body.messages or []
                 ],
+                profile=self.chat,
                 tools=body.tools if mode != "none" else None,
                 thinking=body.thinking,
-                reasoning_effort=body.reasoning_effort,
+                reasoning_effort=effort,
                 response_format=schema,  # shown to the model in the system section
                 add_generation_prompt=getattr(body, "add_generation_prompt", True),
                 drop_thinking=kwargs.drop_thinking if kwargs else True,

@@ -29,6 +29,7 @@ from engine.openai_protocol import APIError
 from engine.openai_server import MAX_REQUEST_BYTES, OpenAIServer
 from engine.shutdown import FLUSH_TIMEOUT, GracefulServer
 from engine.spec_decode import SPECULATIVE_METHODS
+from model.chat_profile import PROFILES, select_chat_profile
 from model.checkpoint import load_model
 from model.tiny import cached_tiny
 from model.tokenizer import load_tokenizer
@@ -163,6 +164,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="sequences waiting beyond --max-num-seqs; more: 503 (default 256)")  # fmt: skip
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="seconds SIGTERM lets the requests in flight finish (default: 30)")  # fmt: skip
+    parser.add_argument("--chat-encoding", choices=PROFILES,
+                        help="override the checkpoint's chat encoding (docs/serving.md)")  # fmt: skip
     parser.add_argument("--torch-threads", type=int, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     args = parser.parse_args(argv)
@@ -176,11 +179,13 @@ def main(argv: list[str] | None = None) -> None:
                               num_speculative_tokens=args.num_speculative_tokens,
                               dspark_min_confidence=args.dspark_min_confidence)  # fmt: skip
         engine = LLMEngine(load_model(path), load_tokenizer(path), config)
+        chat = select_chat_profile(engine.model.cfg.model_type, path, args.chat_encoding)
     except (ValueError, FileNotFoundError) as err:
         parser.error(str(err))
     names = args.served_model_name or ["deepseek-v4.1-tiny" if args.model is None else path.resolve().name]
     url = f"http://{args.host}:{args.port}"
     announce = f"Serving {names[0]} from {path} at {url}/v1  (try: curl {url}/v1/models)"
+    announce += f"\nChat encoding: {chat.name}" + (" (--chat-encoding)" if args.chat_encoding else "")
     tuned = engine.tuned_files
     announce += f"\nKernel configs for {runtime.sku()}: " + (
         f"{len(tuned)} tuned files in {tuned[0].parent}" if tuned else "heuristic defaults (no tuned files)"
@@ -188,7 +193,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level.upper())
     try:
         server = OpenAIServer(
-            engine, names, args.api_key, str(path), args.max_request_bytes, args.max_waiting_requests
+            engine, names, args.api_key, str(path), chat, args.max_request_bytes, args.max_waiting_requests
         )
     except ValueError as err:
         parser.error(str(err))

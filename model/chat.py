@@ -1,10 +1,11 @@
-"""DeepSeek V4 chat encoding (model-spec §11): OpenAI-style messages to prompt text, validated strictly.
+"""DeepSeek V4 / V4.1 chat encoding (model-spec §11, §11.2): OpenAI-style messages to prompt text, strictly.
 
-V4.1 is assumed to share the encoding. The layout is that of the official `encoding_dsv4.py`, quirks
-included, so prompts look like what the models were trained on: consecutive user and tool messages merge
-into one user turn, and in thinking mode with dropping, developer messages before the last user turn are
-left out like the reasoning of earlier assistant turns. Every defect in a request raises ChatFormatError
-naming the offending field (the server answers 400); nothing is silently repaired or ignored.
+One renderer for every release; a ChatProfile (model/chat_profile.py) holds what differs. The layout is
+that of the official encoders, quirks included, so prompts look like what the models were trained on:
+consecutive user and tool messages merge into one user turn, and in thinking mode with dropping, developer
+messages before the last user turn are left out like the reasoning of earlier assistant turns. Every
+defect in a request raises ChatFormatError naming the offending field (the server answers 400); nothing is
+silently repaired or ignored.
 """
 
 from __future__ import annotations
@@ -15,13 +16,13 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from model.chat_profile import RESERVED_FRAGMENTS, SYSTEM, TASKS, V4_0731, ChatProfile, EffortError
 from model.tokenizer import (
     ASSISTANT,
     BOS,
     DSML,
     EOS,
     LATEST_REMINDER,
-    SPECIAL_TOKENS,
     THINK_END,
     THINK_START,
     TOOL_RESULT_END,
@@ -29,71 +30,17 @@ from model.tokenizer import (
     USER,
 )
 
-# §11.1 protocol strings, byte for byte.
-REASONING_EFFORT_PREFIXES = {
-    "low": "",
-    "high": (
-        "Reasoning Effort: Absolute maximum with no shortcuts permitted.\n"
-        "You MUST be very thorough in your thinking and comprehensively decompose the problem to resolve the "
-        "root cause, rigorously stress-testing your logic against all potential paths, edge cases, and "
-        "adversarial scenarios.\n"
-        "Explicitly write out your entire deliberation process, documenting every intermediate step, "
-        "considered alternative, and rejected hypothesis to ensure absolutely no assumption is left "
-        "unchecked.\n\n"
-    ),
-    "max": (
-        "Reasoning Effort: Beyond maximum — exhaustive, relentless, and uncompromising.\n"
-        "You MUST reason with the utmost depth and rigor, leaving absolutely nothing to chance: exhaustively "
-        "decompose the problem into its most fundamental components, trace every causal chain to its root, "
-        "and resolve the underlying cause rather than any surface symptom.\n"
-        "Do not stop reasoning until you have independently verified the solution from multiple angles and "
-        "are certain that no assumption remains unchecked and no error remains undiscovered.\n\n"
-    ),
-}
+# §11.1, the same in every release.
 RESPONSE_FORMAT_TEMPLATE = (
     "## Response Format:\n\nYou MUST strictly adhere to the following schema to reply:\n{schema}"
 )
-TOOLS_TEMPLATE = """## Tools
-
-You have access to a set of tools to help answer the user's question. You can invoke tools by writing a \
-"<{dsml}tool_calls>" block like the following:
-
-<{dsml}tool_calls>
-<{dsml}invoke name="$TOOL_NAME">
-<{dsml}parameter name="$PARAMETER_NAME" string="true|false">$PARAMETER_VALUE</{dsml}parameter>
-...
-</{dsml}invoke>
-<{dsml}invoke name="$TOOL_NAME2">
-...
-</{dsml}invoke>
-</{dsml}tool_calls>
-
-String parameters should be specified as is and set `string="true"`. For all other types (numbers, \
-booleans, arrays, objects), pass the value in JSON format and set `string="false"`.
-
-If thinking_mode is enabled (triggered by {think_start}), you MUST output your complete reasoning inside \
-{think_start}...{think_end} BEFORE any tool calls or final response.
-
-Otherwise, output directly after {think_end} with tool calls or final response.
-
-### Available Tool Schemas
-
-{tool_schemas}
-
-You MUST strictly follow the above defined tool name and parameter schemas to invoke tool calls.
-"""
-TOOL_CALLS_PREFIX = f"\n\n<{DSML}tool_calls"  # how a completion announces its tool calls
-
-# Text that would forge protocol structure if a user could smuggle it into the prompt.
-RESERVED_FRAGMENTS = tuple(
-    sorted(SPECIAL_TOKENS | {THINK_START, THINK_END, DSML, TOOL_RESULT_START, TOOL_RESULT_END})
-)
 NAME_RE = re.compile(r'[^"<>\r\n]+')  # tool and parameter names sit inside name="..." attributes
 
+IMAGE_PARTS = ("image_url", "image", "input_image")
 _ALLOWED_FIELDS = {
     "system": {"role", "content"},
     "developer": {"role", "content"},
-    "user": {"role", "content"},
+    "user": {"role", "content", "task"},
     "latest_reminder": {"role", "content"},
     "assistant": {"role", "content", "reasoning_content", "tool_calls"},
     "tool": {"role", "content", "tool_call_id"},
@@ -175,6 +122,8 @@ def _text(content: Any, where: str) -> str:
         raise ChatFormatError(where, "must be a string or a non-empty list of text blocks")
     texts = []
     for j, block in enumerate(content):
+        if isinstance(block, dict) and block.get("type") in IMAGE_PARTS:
+            raise ChatFormatError(f"{where}[{j}]", "images are not supported: this server serves text only")
         if not isinstance(block, dict) or block.get("type") != "text" or set(block) != {"type", "text"}:
             raise ChatFormatError(f"{where}[{j}]", 'must be {"type": "text", "text": ...}')
         if not isinstance(block["text"], str):
@@ -183,7 +132,7 @@ def _text(content: Any, where: str) -> str:
     return "\n\n".join(texts)
 
 
-def _render_arguments(arguments: Any, where: str) -> str:
+def _render_arguments(arguments: Any, where: str, parameter: str) -> str:
     if not isinstance(arguments, str):
         raise ChatFormatError(where, "must be a JSON string")
     try:
@@ -200,11 +149,11 @@ def _render_arguments(arguments: Any, where: str) -> str:
             _check_reserved(text, where)
         except ChatFormatError as err:
             raise ChatFormatError(where, f"parameter {key!r}: {err.problem}") from None
-        params.append(f'<{DSML}parameter name="{key}" string="{flag}">{text}</{DSML}parameter>')
+        params.append(f'<{DSML}{parameter} name="{key}" string="{flag}">{text}</{DSML}{parameter}>')
     return "\n".join(params)
 
 
-def _render_tool_calls(calls: Any, where: str) -> tuple[str, list[str | None]]:
+def _render_tool_calls(calls: Any, where: str, p: ChatProfile) -> tuple[str, list[str | None]]:
     """The DSML block appended to assistant content, and the call ids in call order."""
     if calls is None:
         return "", []
@@ -228,25 +177,29 @@ def _render_tool_calls(calls: Any, where: str) -> tuple[str, list[str | None]]:
         if not isinstance(fn, dict) or set(fn) != {"name", "arguments"}:
             raise ChatFormatError(f"{at}.function", "must be an object with exactly name and arguments")
         name = _check_name(fn["name"], f"{at}.function.name")
-        args = _render_arguments(fn["arguments"], f"{at}.function.arguments")
-        invokes.append(f'<{DSML}invoke name="{name}">\n{args}\n</{DSML}invoke>')
+        args = _render_arguments(fn["arguments"], f"{at}.function.arguments", p.parameter_tag)
+        invokes.append(f'<{DSML}{p.invoke_tag} name="{name}">\n{args}\n</{DSML}{p.invoke_tag}>')
     if not invokes:
         return "", ids
-    return f"\n\n<{DSML}tool_calls>\n" + "\n".join(invokes) + f"\n</{DSML}tool_calls>", ids
+    return f"{p.tool_calls_prefix}>\n" + "\n".join(invokes) + f"\n</{DSML}{p.calls_tag}>", ids
 
 
 @dataclass
 class _Turn:
-    """One rendered unit after merging; a user turn keeps (call index, or -1 for text, text) parts."""
+    """One rendered unit after merging; a user turn keeps (call index, or -1 for text, text) parts.
+
+    `role` is a message role, or mid_system: a V4.1 system message after the first, a turn of its own.
+    """
 
     role: str
     text: str = ""
+    task: str | None = None
     reasoning: str = ""
     calls: str = ""
     parts: list[tuple[int, str]] = field(default_factory=list)
 
 
-def _tools_section(tools: Any) -> str:
+def _tools_section(tools: Any, profile: ChatProfile) -> str:
     if not isinstance(tools, list):
         raise ChatFormatError("tools", "must be a list")
     schemas: list[str] = []
@@ -261,17 +214,15 @@ def _tools_section(tools: Any) -> str:
             raise ChatFormatError(f"tools[{k}].function.name", f"duplicate tool name {name!r}")
         names.add(name)
         schemas.append(_json_section(tool["function"], f"tools[{k}].function"))
-    return TOOLS_TEMPLATE.format(
-        dsml=DSML, think_start=THINK_START, think_end=THINK_END, tool_schemas="\n".join(schemas)
-    )
+    return profile.tools_section("\n".join(schemas))
 
 
-def check_tools(tools: Any) -> None:
+def check_tools(tools: Any, profile: ChatProfile) -> None:
     """Raise ChatFormatError for tools the encoding could not render (also when they are not shown)."""
-    _tools_section(tools)
+    _tools_section(tools, profile)
 
 
-def _turns(messages: Any) -> list[_Turn]:
+def _turns(messages: Any, profile: ChatProfile) -> list[_Turn]:
     """Validate the messages and merge them into turns, tool results resolved to call indices."""
     if not isinstance(messages, list) or not messages:
         raise ChatFormatError("messages", "must be a non-empty list")
@@ -295,7 +246,7 @@ def _turns(messages: Any) -> list[_Turn]:
             if reasoning is not None and not isinstance(reasoning, str):
                 raise ChatFormatError(f"{at}.reasoning_content", "must be a string")
             turn.reasoning = _check_reserved(reasoning or "", f"{at}.reasoning_content")
-            turn.calls, ids = _render_tool_calls(msg.get("tool_calls"), f"{at}.tool_calls")
+            turn.calls, ids = _render_tool_calls(msg.get("tool_calls"), f"{at}.tool_calls", profile)
             call_ids, answered = (ids or None), set()
             turns.append(turn)
             continue
@@ -304,6 +255,8 @@ def _turns(messages: Any) -> list[_Turn]:
         text = _text(content, f"{at}.content")
         if role == "developer" and not text:
             raise ChatFormatError(f"{at}.content", "must not be empty")
+        if role == "system" and profile.v41 and i > 0:
+            role = "mid_system"
         if role not in ("user", "tool"):
             turns.append(_Turn(role, text))
             continue
@@ -311,8 +264,12 @@ def _turns(messages: Any) -> list[_Turn]:
         if role == "tool":
             index = _resolve_result(msg.get("tool_call_id"), call_ids, answered, at)
             text = f"{TOOL_RESULT_START}{text}{TOOL_RESULT_END}"
-        if not turns or turns[-1].role != "user":
-            turns.append(_Turn("user"))
+        task = msg.get("task")
+        if task is not None and (not isinstance(task, str) or task not in TASKS):
+            raise ChatFormatError(f"{at}.task", f"must be one of {sorted(TASKS)}")
+        # A task message is a turn of its own: the model answers it, not the turns around it.
+        if task is not None or not turns or turns[-1].role != "user" or turns[-1].task is not None:
+            turns.append(_Turn("user", task=task))
         turns[-1].parts.append((index, text))
     return turns
 
@@ -335,33 +292,47 @@ def _resolve_result(call_id: Any, call_ids: list[str | None] | None, answered: s
     return index
 
 
+_USER_TURNS = ("user", "developer", "mid_system")  # the turns the model answers
+
+
 def _last_user(turns: list[_Turn]) -> int:
-    return max((i for i, t in enumerate(turns) if t.role in ("user", "developer")), default=-1)
+    return max((i for i, t in enumerate(turns) if t.role in _USER_TURNS), default=-1)
+
+
+def _user_turn_text(turn: _Turn) -> str:
+    # Results take the order of the calls; text blocks keep their places.
+    results = iter(sorted(p for p in turn.parts if p[0] >= 0))
+    return USER + "\n\n".join(text if index < 0 else next(results)[1] for index, text in turn.parts)
 
 
 def encode_messages(
     messages: list[dict[str, Any]],
     *,
+    profile: ChatProfile = V4_0731,
     tools: list[dict[str, Any]] | None = None,
     thinking: bool = False,
-    reasoning_effort: str | None = None,
+    reasoning_effort: str | int | None = None,
     response_format: dict[str, Any] | None = None,
     add_generation_prompt: bool = True,
     drop_thinking: bool = True,
 ) -> str:
-    """The prompt text for an OpenAI-style conversation (model-spec §11).
+    """The prompt text for an OpenAI-style conversation in `profile`'s encoding (model-spec §11, §11.2).
 
     `tools` are OpenAI tool objects; `response_format` is the JSON object shown to the model as the
-    schema. Both go to the first system message (an empty one is put first when there is none), where the
-    official encoder expects them. `reasoning_effort` is low (default), high or max; it only changes
-    thinking-mode prompts. Raises ChatFormatError on any defect of the request.
+    schema. Both go to the first system message (V4.1: the system message that opens the conversation),
+    an empty one put first when there is none, where the official encoders expect them.
+    `reasoning_effort` is one of the profile's levels (default: the profile's); it only changes
+    thinking-mode prompts but is checked in chat mode too. Raises ChatFormatError on any defect.
     """
-    if reasoning_effort is not None and reasoning_effort not in REASONING_EFFORT_PREFIXES:
-        raise ChatFormatError("reasoning_effort", f"must be one of {sorted(REASONING_EFFORT_PREFIXES)}")
-    turns = _turns(messages)
+    try:
+        effort = profile.effort_prefix(reasoning_effort)
+    except EffortError as err:
+        raise ChatFormatError("reasoning_effort", str(err)) from None
+    effort = effort if thinking else ""
+    turns = _turns(messages, profile)
     sections = []
     if tools:
-        sections.append(_tools_section(tools))
+        sections.append(_tools_section(tools, profile))
     elif tools is not None and not isinstance(tools, list):
         raise ChatFormatError("tools", "must be a list")
     if response_format is not None:
@@ -376,32 +347,38 @@ def encode_messages(
             turns.insert(0, host)
         host.text += "".join("\n\n" + s for s in sections)
 
-    drop = drop_thinking and not tools  # the official encoder keeps all reasoning when tools are present
+    drop = drop_thinking and not tools  # the official encoders keep all reasoning when tools are present
     if thinking and drop:
         last = _last_user(turns)
         turns = [t for i, t in enumerate(turns) if t.role != "developer" or i >= last]
     last = _last_user(turns)
 
-    out = [BOS, REASONING_EFFORT_PREFIXES[reasoning_effort or "low"] if thinking else ""]
+    out = [BOS]
+    if profile.v41 and (effort or (turns and turns[0].role == "system")):
+        out.append(SYSTEM)
+    out.append(effort)
     for i, turn in enumerate(turns):
         if turn.role == "system":
             out.append(turn.text)
+        elif turn.role == "mid_system":
+            out.append(SYSTEM + turn.text)
         elif turn.role == "developer":
             out.append(USER + turn.text)
         elif turn.role == "latest_reminder":
             out.append(LATEST_REMINDER + turn.text)
         elif turn.role == "user":
-            # Results take the order of the calls; text blocks keep their places.
-            results = iter(sorted(p for p in turn.parts if p[0] >= 0))
-            parts = [text if index < 0 else next(results)[1] for index, text in turn.parts]
-            out.append(USER + "\n\n".join(parts))
+            out.append(_user_turn_text(turn))
         else:
-            if thinking and (not drop or i > last):
+            after_task = i > 0 and turns[i - 1].task is not None  # a task's answer has no reasoning part
+            if thinking and not after_task and (not drop or i > last):
                 out.append(turn.reasoning + THINK_END)
             out.append(turn.text + turn.calls + EOS)
+        if turn.role not in _USER_TURNS:
+            continue
+        think = THINK_START if thinking and (not drop or i >= last) else THINK_END
         following = turns[i + 1].role if i + 1 < len(turns) else None
-        if turn.role in ("user", "developer") and (
-            following in ("assistant", "latest_reminder") or (following is None and add_generation_prompt)
-        ):
-            out.append(ASSISTANT + (THINK_START if thinking and (not drop or i >= last) else THINK_END))
+        if turn.task is not None:
+            out.append(ASSISTANT + (think if turn.task == "action" else "") + TASKS[turn.task])
+        elif following in ("assistant", "latest_reminder") or (following is None and add_generation_prompt):
+            out.append(ASSISTANT + think)
     return "".join(out)

@@ -1,10 +1,11 @@
-"""Parsing DeepSeek V4 completions (model-spec §11): reasoning/content split and DSML tool calls.
+"""Parsing DeepSeek V4 / V4.1 completions (model-spec §11, §11.2): reasoning/content split, DSML tool calls.
 
 A completion is the generated text up to, not including, EOS. In thinking mode it is `reasoning</think>`
 followed by content; text that never reaches `</think>` (a length cut) is all reasoning. Content ends
-where `\\n\\n<｜DSML｜tool_calls` starts; from there the text must be exactly one tool-call block as the
-encoder renders it, and nothing may follow it. `parse_completion` is the streaming parser fed once, so
-streamed and non-streamed results agree by construction whatever the split.
+where the profile's tool-call prefix (`\\n\\n<｜DSML｜tool_calls`, V4.1 `\\n\\n<｜DSML｜ calls`) starts;
+from there the text must be exactly one tool-call block as the encoder renders it, and nothing may follow
+it. In V4.1 a tool-call block inside the reasoning is malformed. `parse_completion` is the streaming parser
+fed once, so streamed and non-streamed results agree by construction whatever the split.
 """
 
 from __future__ import annotations
@@ -13,17 +14,34 @@ import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cache
 
-from model.chat import NAME_RE, TOOL_CALLS_PREFIX, loads_strict
+from model.chat import NAME_RE, loads_strict
+from model.chat_profile import V4_0731, ChatProfile
 from model.tokenizer import DSML, THINK_END
 
-_INVOKE_RE = re.compile(rf'<{DSML}invoke name="({NAME_RE.pattern})">\n(.*)\n</{DSML}invoke>', re.S)
-_PARAM_RE = re.compile(
-    rf'<{DSML}parameter name="({NAME_RE.pattern})" string="(true|false)">(.*?)</{DSML}parameter>', re.S
-)
-_INVOKE_END = f"</{DSML}invoke>"
-_NEXT_INVOKE = f"\n<{DSML}invoke"
-_BLOCK_END = f"\n</{DSML}tool_calls>"
+
+@dataclass(frozen=True)
+class _Tags:
+    """A profile's DSML block as the parser reads it."""
+
+    invoke: re.Pattern[str]
+    param: re.Pattern[str]
+    invoke_end: str
+    next_invoke: str
+    block_end: str
+
+
+@cache
+def _tags(p: ChatProfile) -> _Tags:
+    name, invoke, param = NAME_RE.pattern, re.escape(p.invoke_tag), re.escape(p.parameter_tag)
+    return _Tags(
+        re.compile(rf'<{DSML}{invoke} name="({name})">\n(.*)\n</{DSML}{invoke}>', re.S),
+        re.compile(rf'<{DSML}{param} name="({name})" string="(true|false)">(.*?)</{DSML}{param}>', re.S),
+        f"</{DSML}{p.invoke_tag}>",
+        f"\n<{DSML}{p.invoke_tag}",
+        f"\n</{DSML}{p.calls_tag}>",
+    )
 
 
 class CompletionParseError(ValueError):
@@ -67,16 +85,16 @@ def _held_back(text: str, marker: str) -> int:
     return 0
 
 
-def _parse_invoke(text: str) -> tuple[str, str]:
+def _parse_invoke(text: str, tags: _Tags) -> tuple[str, str]:
     """Name and JSON-object arguments of one `<｜DSML｜invoke ...>...</｜DSML｜invoke>` element."""
-    m = _INVOKE_RE.fullmatch(text)
+    m = tags.invoke.fullmatch(text)
     if m is None:
         raise CompletionParseError(f"malformed tool call {text[:200]!r}")
     name, body = m.groups()
     args: dict[str, object] = {}
     pos = 0
     while body:  # parameters joined by newlines; none at all leaves the body empty
-        p = _PARAM_RE.match(body, pos)
+        p = tags.param.match(body, pos)
         if p is None:
             raise CompletionParseError(f"malformed parameter in {name!r}: {body[pos : pos + 200]!r}")
         key, is_string, value = p.groups()
@@ -103,7 +121,15 @@ class StreamParser:
     After a CompletionParseError the parser is spent.
     """
 
-    def __init__(self, *, thinking: bool, id_factory: Callable[[int], str] | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        thinking: bool,
+        id_factory: Callable[[int], str] | None = None,
+        profile: ChatProfile = V4_0731,
+    ) -> None:
+        self._prefix, self._tags = profile.tool_calls_prefix, _tags(profile)
+        self._strict_reasoning = profile.v41
         self._state = "reasoning" if thinking else "content"
         self._buf = ""
         self._new_id = id_factory or _default_id
@@ -124,9 +150,17 @@ class StreamParser:
         while True:
             buf = self._buf
             if self._state in ("reasoning", "content"):
-                marker = THINK_END if self._state == "reasoning" else TOOL_CALLS_PREFIX
+                marker = THINK_END if self._state == "reasoning" else self._prefix
                 at = buf.find(marker)
                 end = at if at >= 0 else len(buf) - (0 if final else _held_back(buf, marker))
+                if self._state == "reasoning" and self._strict_reasoning:
+                    early = buf.find(self._prefix, 0, at if at >= 0 else len(buf))
+                    if early >= 0:
+                        raise CompletionParseError(
+                            f"tool-call block inside the reasoning: {buf[early : early + 200]!r}"
+                        )
+                    if at < 0 and not final:
+                        end = min(end, len(buf) - _held_back(buf, self._prefix))
                 if self._state == "reasoning":
                     delta.reasoning_content += buf[:end]
                 else:
@@ -143,20 +177,21 @@ class StreamParser:
                     raise CompletionParseError(f"malformed tool-call block start: {buf[:200]!r}")
                 self._buf, self._state = buf[1:], "between"
             elif self._state == "between":
-                if buf.startswith(_NEXT_INVOKE):
+                tags = self._tags
+                if buf.startswith(tags.next_invoke):
                     self._buf, self._state = buf[1:], "invoke"
-                elif buf.startswith(_BLOCK_END) and self._ids:
-                    self._buf, self._state = buf[len(_BLOCK_END) :], "done"
-                elif not (_NEXT_INVOKE.startswith(buf) or (_BLOCK_END.startswith(buf) and self._ids)):
+                elif buf.startswith(tags.block_end) and self._ids:
+                    self._buf, self._state = buf[len(tags.block_end) :], "done"
+                elif not (tags.next_invoke.startswith(buf) or (tags.block_end.startswith(buf) and self._ids)):
                     raise CompletionParseError(f"expected a tool call or the end of the block: {buf[:200]!r}")
                 else:
                     return delta
             elif self._state == "invoke":
-                end = buf.find(_INVOKE_END)
+                end = buf.find(self._tags.invoke_end)
                 if end < 0:
                     return delta
-                end += len(_INVOKE_END)
-                name, arguments = _parse_invoke(buf[:end])
+                end += len(self._tags.invoke_end)
+                name, arguments = _parse_invoke(buf[:end], self._tags)
                 delta.tool_calls.append(ToolCall(self._next_id(), name, arguments))
                 self._buf, self._state = buf[end:], "between"
             else:
@@ -174,10 +209,14 @@ class StreamParser:
 
 
 def parse_completion(
-    text: str, *, thinking: bool, id_factory: Callable[[int], str] | None = None
+    text: str,
+    *,
+    thinking: bool,
+    id_factory: Callable[[int], str] | None = None,
+    profile: ChatProfile = V4_0731,
 ) -> ParsedCompletion:
     """Split a whole completion; tool-call ids come from id_factory(index), default `call_{index}`."""
-    parser = StreamParser(thinking=thinking, id_factory=id_factory)
+    parser = StreamParser(thinking=thinking, id_factory=id_factory, profile=profile)
     head, tail = parser.feed(text), parser.finish()
     return ParsedCompletion(
         head.reasoning_content + tail.reasoning_content if thinking else None,

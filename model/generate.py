@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from model.chat import encode_messages
+from model.chat_profile import PROFILES, select_chat_profile
 from model.checkpoint import load_model
 from model.deepseek_v4 import DeepseekV4
 from model.tiny import ARCHS, cached_tiny
@@ -39,17 +41,25 @@ def greedy(model: DeepseekV4, prompt: list[int], max_new_tokens: int, use_cache:
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="checkpoint folder (default: a tiny random checkpoint of --arch)")
     parser.add_argument("--arch", default="v4", choices=ARCHS)
     parser.add_argument("--prompt", default="The quick brown fox")
     parser.add_argument("--max-tokens", type=int, default=32)
-    args = parser.parse_args()
+    parser.add_argument("--chat", action="store_true", help="send the prompt as a user message, chat-encoded")
+    parser.add_argument("--chat-encoding", choices=PROFILES, help="with --chat: override the checkpoint's")
+    args = parser.parse_args(argv)
     path = Path(args.model) if args.model else cached_tiny(args.arch)
     model = load_model(path)
     tokenizer = load_tokenizer(path / "tokenizer.json")
-    prompt = [model.cfg.bos_token_id, *tokenizer.encode(args.prompt, add_special_tokens=False).ids]
+    if args.chat:
+        profile = select_chat_profile(model.cfg.model_type, path, args.chat_encoding)
+        print(f"chat encoding: {profile.name}")
+        text = encode_messages([{"role": "user", "content": args.prompt}], profile=profile)  # BOS included
+        prompt = tokenizer.encode(text, add_special_tokens=False).ids
+    else:
+        prompt = [model.cfg.bos_token_id, *tokenizer.encode(args.prompt, add_special_tokens=False).ids]
     completion = greedy(model, prompt, args.max_tokens)
     print(args.prompt + tokenizer.decode(completion))
 

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from engine.grammar import GrammarError, Grammars, LogitBias, chain
-from model.chat import TOOL_CALLS_PREFIX, encode_messages
+from model.chat import encode_messages
 from model.chat_parse import parse_completion
+from model.chat_profile import PROFILES
 from model.tokenizer import EOS, EOS_ID, THINK_END, load_tokenizer
 
 TOKENIZER = load_tokenizer()
@@ -49,19 +50,20 @@ def test_json_schema_after_the_reasoning():
     assert first.nonzero().flatten().tolist() == TOKENIZER.encode('{"a":').ids[:1]
 
 
-def test_forced_tool_call_is_the_encoders_block_and_parses():
+@pytest.mark.parametrize("profile", PROFILES.values(), ids=PROFILES)
+def test_forced_tool_call_is_the_encoders_block_and_parses(profile):
     call = {
         "id": "c",
         "type": "function",
         "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "days": 3}'},
     }
-    prompt = encode_messages(
-        [{"role": "user", "content": "?"}, {"role": "assistant", "tool_calls": [call]}], tools=[TOOL]
-    )
-    block = prompt[prompt.rindex(TOOL_CALLS_PREFIX) : prompt.rindex(EOS)]
-    done = walk(GRAMMARS.tool_calls([TOOL], "get_weather", thinking=False, parallel=True), block)
+    convo = [{"role": "user", "content": "?"}, {"role": "assistant", "tool_calls": [call]}]
+    prompt = encode_messages(convo, tools=[TOOL], profile=profile)
+    block = prompt[prompt.rindex(profile.tool_calls_prefix) : prompt.rindex(EOS)]
+    grammar = GRAMMARS.tool_calls([TOOL], "get_weather", thinking=False, parallel=True, profile=profile)
+    done = walk(grammar, block)
     assert done.nonzero().flatten().tolist() == [EOS_ID]
-    (parsed,) = parse_completion(block, thinking=False).tool_calls
+    (parsed,) = parse_completion(block, thinking=False, profile=profile).tool_calls
     assert json.loads(parsed.arguments) == {"city": "Oslo", "days": 3}
 
 

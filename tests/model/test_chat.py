@@ -75,7 +75,27 @@ def tool(call_id, text):
     return {"role": "tool", "tool_call_id": call_id, "content": text}
 
 
-HISTORY = [{"role": "system", "content": "S"}, user("q1"), assistant("a1", "r1"), user("q2")]
+def system(text):
+    return {"role": "system", "content": text}
+
+
+def task(text, name):
+    return user(text) | {"task": name}
+
+
+T = {"thinking": True}
+CHAT, GEN = ASSISTANT + END_THINK, ASSISTANT + THINK  # generation headers: chat mode, reasoning kept
+S, U = system("S"), user("U")
+HISTORY = [S, user("q1"), assistant("a1", "r1"), user("q2")]
+WEATHER_CALLS = [call("a", "get_weather", city="Paris", days=[1, 2]), call("b", "now")]
+BLOCK = (
+    '\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="get_weather">\n'
+    '<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>\n'
+    '<｜DSML｜parameter name="days" string="false">[1, 2]</｜DSML｜parameter>\n'
+    '</｜DSML｜invoke>\n<｜DSML｜invoke name="now">\n\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>'
+)
+RESULTS = "<tool_result>A</tool_result>\n\n<tool_result>B</tool_result>"
+TOOL_TURN = [user("q"), assistant("Let me check.", calls=WEATHER_CALLS), tool("b", "B"), tool("a", "A")]
 
 
 TURNS = f"{USER}q1{ASSISTANT}{END_THINK}a1{EOS}{USER}q2{ASSISTANT}"
@@ -139,19 +159,10 @@ def test_developer_and_reminder():
 
 
 def test_tool_call_block_and_results_order():
-    calls = [call("a", "get_weather", city="Paris", days=[1, 2]), call("b", "now")]
-    convo = [user("q"), assistant("Let me check.", calls=calls), tool("b", "B"), tool("a", "A"), user("more")]
-    block = (
-        '\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="get_weather">\n'
-        '<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>\n'
-        '<｜DSML｜parameter name="days" string="false">[1, 2]</｜DSML｜parameter>\n'
-        '</｜DSML｜invoke>\n<｜DSML｜invoke name="now">\n\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>'
-    )
-    results = f"{USER}<tool_result>A</tool_result>\n\n<tool_result>B</tool_result>\n\nmore{ASSISTANT}"
-    text = encode_messages(convo)
-    assert text == f"{BOS}{USER}q{ASSISTANT}{END_THINK}Let me check.{block}{EOS}{results}{END_THINK}"
+    text = encode_messages([*TOOL_TURN, user("more")])
+    assert text == f"{BOS}{USER}q{ASSISTANT}{END_THINK}Let me check.{BLOCK}{EOS}{USER}{RESULTS}\n\nmore{CHAT}"
     # User text between results keeps its place; the results alone take the order of the calls.
-    convo = [user("q"), assistant("", calls=calls), tool("b", "B"), user("note"), tool("a", "A")]
+    convo = [user("q"), assistant("", calls=WEATHER_CALLS), tool("b", "B"), user("note"), tool("a", "A")]
     assert encode_messages(convo).endswith(
         f"<tool_result>A</tool_result>\n\nnote\n\n<tool_result>B</tool_result>{ASSISTANT}</think>"
     )

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from model.chat import RESERVED_FRAGMENTS, encode_messages
 from model.chat_parse import CompletionParseError, StreamDelta, StreamParser, ToolCall, parse_completion
+from model.chat_profile import PROFILES
 
 ASSISTANT, EOS = "<｜Assistant｜>", "<｜end▁of▁sentence｜>"
 BLOCK_START, BLOCK_END = "\n\n<｜DSML｜tool_calls>\n", "\n</｜DSML｜tool_calls>"
@@ -99,9 +100,10 @@ ARGUMENTS = st.dictionaries(st.from_regex(r'[^"<>\r\n｜]{1,8}', fullmatch=True)
 TOOL_NAMES = st.from_regex(r"[A-Za-z_][\w.-]{0,10}", fullmatch=True)
 
 
-@settings(max_examples=150, deadline=None)
+@pytest.mark.parametrize("profile", PROFILES.values(), ids=PROFILES)
+@settings(max_examples=100, deadline=None)
 @given(st.lists(st.tuples(TOOL_NAMES, ARGUMENTS), min_size=1, max_size=3))
-def test_render_parse_round_trip(calls):
+def test_render_parse_round_trip(profile, calls):
     """Encode an assistant turn with tool calls, parse its text back: the same calls, the same prompt."""
     openai_calls = [
         {"id": f"call_{i}", "type": "function", "function": {"name": n, "arguments": json.dumps(a)}}
@@ -111,13 +113,14 @@ def test_render_parse_round_trip(calls):
         {"role": "user", "content": "q"},
         {"role": "assistant", "content": "ok", "tool_calls": openai_calls},
     ]
-    prompt = encode_messages(convo)
+    prompt = encode_messages(convo, profile=profile)
     completion = prompt.split(ASSISTANT, 1)[1].removeprefix("</think>").removesuffix(EOS)
-    parsed = parse_completion(completion, thinking=False)
+    assert completion.startswith(f"ok{profile.tool_calls_prefix}>")
+    parsed = parse_completion(completion, thinking=False, profile=profile)
     assert parsed.content == "ok"
     assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == calls
     convo[1]["tool_calls"] = [c.to_openai() for c in parsed.tool_calls]
-    assert encode_messages(convo) == prompt
+    assert encode_messages(convo, profile=profile) == prompt
 
 
 def test_streaming_holds_back_only_possible_markers():

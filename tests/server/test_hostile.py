@@ -142,7 +142,7 @@ TYPES = {
         chat(chat_template_kwargs={"thinking": "on"}),
         "chat_template_kwargs",
     ),
-    "reasoning_effort number": (CHAT, chat(reasoning_effort=3), "reasoning_effort"),
+    "reasoning_effort a list": (CHAT, chat(reasoning_effort=[3]), "reasoning_effort"),
     "echo string": (COMPLETIONS, completion(echo="no"), "echo"),
     "prompt mixed list": (COMPLETIONS, completion(prompt=[1, "a"]), "prompt"),
     "prompt nested strings": (COMPLETIONS, completion(prompt=[["a"]]), "prompt"),

@@ -10,6 +10,9 @@ import httpx
 import openai
 import pytest
 
+from model.chat import encode_messages
+from model.chat_profile import V41
+from model.tokenizer import load_tokenizer
 from tests.server.conftest import API_KEY, MODEL, Served
 
 HELLO = [{"role": "user", "content": "Hello there"}]
@@ -140,7 +143,7 @@ def test_tool_call_round_trip(server: Served):
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
     forced = {"type": "function", "function": {"name": "get_weather"}}
     out = client.chat.completions.create(
-        model=MODEL, messages=messages, tools=[WEATHER], tool_choice=forced, max_tokens=80, temperature=0
+        model=MODEL, messages=messages, tools=[WEATHER], tool_choice=forced, max_tokens=160, temperature=0
     )
     choice = out.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
@@ -153,7 +156,7 @@ def test_tool_call_round_trip(server: Served):
         messages=messages,
         tools=[WEATHER],
         tool_choice=forced,
-        max_tokens=80,
+        max_tokens=160,
         temperature=0,
         stream=True,
     )
@@ -192,7 +195,7 @@ def test_required_tool_choice_and_tool_choice_none(server: Served):
         tools=[WEATHER, noop],
         tool_choice="required",
         parallel_tool_calls=False,
-        max_tokens=80,
+        max_tokens=160,
         temperature=0,
     )
     assert out.choices[0].finish_reason == "tool_calls" and len(out.choices[0].message.tool_calls) == 1
@@ -256,3 +259,30 @@ def test_api_key_is_required_for_every_api_route(server: Served):
         ).status_code
         == 200
     )
+
+
+def test_the_tiny_v41_renders_with_the_v41_encoding(server: Served):
+    assert "Chat encoding: v41" in server.log.read_text()
+    tokenizer = load_tokenizer()
+    messages = [{"role": "system", "content": "Be brief."}, *HELLO]
+
+    def rendered(**fields: object) -> list[int]:
+        reply = server.http().post("/tokenize", json={"messages": messages, **fields})
+        assert reply.status_code == 200, reply.text
+        return reply.json()["tokens"]
+
+    def encoded(**kwargs: object) -> list[int]:
+        return tokenizer.encode(encode_messages(messages, **kwargs), add_special_tokens=False).ids
+
+    assert rendered() == encoded(profile=V41) != encoded()  # the default is V4's
+    assert rendered(tools=[WEATHER]) == encoded(profile=V41, tools=[WEATHER])
+    # OpenAI's effort names map onto V4.1's budgets; its own values pass; none is chat mode.
+    assert rendered(reasoning_effort="medium") == encoded(profile=V41, thinking=True, reasoning_effort="high")
+    assert rendered(reasoning_effort="xhigh") == encoded(profile=V41, thinking=True, reasoning_effort=100)
+    assert rendered(reasoning_effort=30) == encoded(profile=V41, thinking=True, reasoning_effort=30)
+    assert rendered(reasoning_effort="none") == encoded(profile=V41)
+    thinking_on = {"chat_template_kwargs": {"thinking": True}}
+    for bad in ({"reasoning_effort": "extreme"}, {"reasoning_effort": 0}, {"reasoning_effort": 101},
+                {"reasoning_effort": "none", **thinking_on}):  # fmt: skip
+        reply = server.http().post("/tokenize", json={"messages": messages, **bad})
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == "reasoning_effort"

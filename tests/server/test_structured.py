@@ -36,7 +36,8 @@ SCHEMAS = [
     {"type": "string", "pattern": "^[a-z]{2,5}-[0-9]{1,3}$"},
     obj(point=obj(x=integer(0, 9), y=integer(0, 9))),
     {"anyOf": [{"type": "null"}, {"type": "boolean"}]},
-    obj(kind={"const": "circle"}, r={"type": "number", "minimum": 0, "maximum": 1}),
+    # multipleOf bounds the digits: a greedy random model may otherwise write 1.0000... to the limit.
+    obj(kind={"const": "circle"}, r={"type": "number", "minimum": 0, "maximum": 1, "multipleOf": 0.25}),
     {"type": "array", "prefixItems": [integer(1, 3), {"enum": ["a", "b"]}], "items": False, "minItems": 2},
 ]
 
