@@ -164,6 +164,10 @@ class AsyncEngine:
 
     # ---- admission -------------------------------------------------------------------------------------
     def _admit(self, n: int) -> None:
+        if n > self.capacity:
+            raise ValueError(
+                f"{n} sequences in one request: this server can never admit more than {self.capacity}"
+            )
         if not self.accepting:
             raise Unavailable("the server is shutting down")
         with self._lock:
@@ -206,9 +210,8 @@ class AsyncEngine:
                 except Exception:  # not one request's fault: fail what was in flight, then carry on
                     log.exception("the engine loop failed; failing the requests in flight")
                     self._fail_all("internal error in the engine", 500)
-        except BaseException:
+        except BaseException:  # the thread ends here: whatever ended it, the waiters must hear of it
             log.exception("the engine thread died")
-            raise
         finally:
             self._wake_all()
 

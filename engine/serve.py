@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import re
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -201,6 +203,11 @@ def main(argv: list[str] | None = None) -> None:
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=FLUSH_TIMEOUT)  # fmt: skip
     GracefulServer(config, server.core, args.shutdown_timeout).run()
+    # Every stream is closed and the engine stopped: skip the interpreter's teardown of torch and the
+    # model, which takes seconds the shutdown timeout has no room for.
+    logging.shutdown()
+    sys.stdout.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

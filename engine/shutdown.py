@@ -19,6 +19,7 @@ from engine.async_engine import AsyncEngine, Unavailable
 log = logging.getLogger(__name__)
 
 FLUSH_TIMEOUT = 5.0  # seconds the handlers get to write their last events once their sequences ended
+CLOSE_RESERVE = 1.0  # of the drain timeout, kept for ending streams and closing, so the exit is within it
 
 
 class GracefulServer(uvicorn.Server):
@@ -41,7 +42,7 @@ class GracefulServer(uvicorn.Server):
         if self.signals > 2:
             self.force_exit = True
             return
-        timeout = self.drain_timeout if self.signals == 1 else 0.0
+        timeout = max(0.0, self.drain_timeout - CLOSE_RESERVE) if self.signals == 1 else 0.0
         self.loop.call_soon_threadsafe(
             lambda: self.draining.append(asyncio.ensure_future(self.drain(timeout)))
         )

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,34 +75,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="session")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    log = tmp_path_factory.mktemp("server") / "server.log"
+@contextmanager
+def serving(log: Path, *flags: str) -> Iterator[tuple[Served, subprocess.Popen]]:
+    """`python -m engine.serve` on a free port with `flags`, until the block ends (then it is stopped)."""
     port = _free_port()
-    args = [
-        sys.executable,
-        "-m",
-        "engine.serve",
-        "--port",
-        str(port),
-        "--served-model-name",
-        MODEL,
-        "other",
-        "--api-key",
-        API_KEY,
-        "--max-model-len",
-        str(MAX_MODEL_LEN),
-        "--max-num-seqs",
-        "64",
-        "--torch-threads",
-        "1",
-        "--speculative-method",
-        "dspark",
-        "--num-speculative-tokens",
-        "2",
-        "--log-level",
-        "warning",
-    ]
+    args = [sys.executable, "-m", "engine.serve", "--port", str(port), "--api-key", API_KEY, *flags]
     with log.open("w") as out:
         proc = subprocess.Popen(args, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ))
     served = Served(f"http://127.0.0.1:{port}", log)
@@ -116,10 +94,19 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
             except httpx.TransportError:
                 pass
             time.sleep(0.5)
-        yield served
+        yield served, proc
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
+        if proc.poll() is None:
             proc.kill()
+        proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    flags = ["--served-model-name", MODEL, "other", "--max-model-len", str(MAX_MODEL_LEN),
+             "--max-num-seqs", "64", "--torch-threads", "1", "--speculative-method", "dspark",
+             "--num-speculative-tokens", "2", "--log-level", "warning"]  # fmt: skip
+    with serving(tmp_path_factory.mktemp("server") / "server.log", *flags) as (served, proc):
+        yield served
+        proc.terminate()
+        proc.wait(timeout=60)
