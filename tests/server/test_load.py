@@ -1,10 +1,12 @@
-"""64 concurrent streaming chat requests against the tiny model: all complete, and /metrics counts them."""
+"""64 concurrent requests against the tiny model: all complete, /metrics counts them, the cache empties."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
+import httpx
 import openai
 
 from tests.server.conftest import API_KEY, MODEL, Served
@@ -73,3 +75,57 @@ def test_64_concurrent_streams_complete_and_are_counted(server: Served):
     assert count("deepseek_spec_decode_mean_accepted_length") >= 1.0
     assert 0 <= count("deepseek_spec_decode_acceptance_rate", position="0") <= 1
     print(f"64 concurrent streams of {MAX_TOKENS} tokens: {elapsed:.1f} s")
+
+
+def mixed_request(i: int) -> tuple[str, dict]:
+    """Chat and completions, streamed and not, with n, logprobs, stop strings, seeds and JSON mode."""
+    sampling = {"max_tokens": 4, "temperature": 0.8, "seed": i, "ignore_eos": True, "stream": i % 2 == 0}
+    kind = i % 4
+    if kind == 0:
+        return "/v1/chat/completions", {
+            "messages": [{"role": "user", "content": f"Hello {i}"}],
+            "stream_options": {"include_usage": True},
+            **sampling,
+        }
+    if kind == 1:
+        return "/v1/chat/completions", {"messages": [{"role": "user", "content": f"Hi {i}"}], "n": 2,
+                                        "logprobs": True, "top_logprobs": 2, **sampling}  # fmt: skip
+    if kind == 2:
+        return "/v1/completions", {"prompt": f"Count {i}", "stop": ["\n", "ab"], "logprobs": 1, **sampling}
+    return "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "A JSON object, please"}],
+        "response_format": {"type": "json_object"},
+        **{**sampling, "max_tokens": 8},
+    }
+
+
+async def mixed_one(client: httpx.AsyncClient, i: int) -> list[str]:
+    """The finish reasons of the request's choices; any error fails the test."""
+    path, body = mixed_request(i)
+    if not body["stream"]:
+        r = await client.post(path, json={"model": MODEL, **body})
+        assert r.status_code == 200, r.text
+        return [c["finish_reason"] for c in r.json()["choices"]]
+    finishes = []
+    async with client.stream("POST", path, json={"model": MODEL, **body}) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                event = json.loads(line.removeprefix("data: "))
+                assert "error" not in event, event
+                finishes += [c["finish_reason"] for c in event["choices"] if c.get("finish_reason")]
+    return finishes
+
+
+def test_64_concurrent_mixed_requests_complete_and_the_cache_empties(server: Served):
+    async def load() -> list[list[str]]:
+        headers = {"Authorization": f"Bearer {API_KEY}"}
+        async with httpx.AsyncClient(base_url=server.url, headers=headers, timeout=300) as client:
+            return await asyncio.gather(*(mixed_one(client, i) for i in range(64)))
+
+    errors = server.metric("deepseek_requests_finished_total", finish_reason="error")
+    results = asyncio.run(load())
+    assert all(results) and all(f in ("stop", "length") for r in results for f in r), results
+    assert [len(r) for r in results] == [2 if i % 4 == 1 else 1 for i in range(64)]
+    assert server.metric("deepseek_requests_finished_total", finish_reason="error") == errors
+    server.wait_idle()
