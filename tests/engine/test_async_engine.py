@@ -8,10 +8,10 @@ import threading
 
 import pytest
 
-from engine.async_engine import AsyncEngine, Group, Unavailable, Update
 from engine.llm_engine import EngineConfig, LLMEngine
-from engine.metrics import Metrics
 from engine.request import SamplingParams
+from engine.server.async_engine import AsyncEngine, Group, Unavailable, Update
+from engine.server.metrics import Metrics
 from model.checkpoint import load_model
 from model.tiny import write_tiny
 from model.tokenizer import load_tokenizer

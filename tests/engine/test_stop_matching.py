@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from engine.llm_engine import _first_stop
-from engine.openai_output import _held_back
+from engine.server.output import _held_back
 
 pieces = st.lists(st.text("abc", max_size=4), min_size=1, max_size=30)
 stops = st.lists(st.text("abc", min_size=1, max_size=5), min_size=1, max_size=4).map(tuple)

@@ -13,11 +13,11 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from engine.async_engine import Update
 from engine.grammar import GrammarError
-from engine.openai_output import ChatChoice
-from engine.openai_protocol import APIError, ChatCompletionRequest
-from engine.openai_server import OpenAIServer, Seq, sse
+from engine.server.api import OpenAIServer, Seq, sse
+from engine.server.async_engine import Update
+from engine.server.output import ChatChoice
+from engine.server.protocol import APIError, ChatCompletionRequest
 from model.chat_parse import StreamDelta
 
 

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engine.openai_output import ChatChoice, TextRelease, TokenTexts
+from engine.server.output import ChatChoice, TextRelease, TokenTexts
 from model.chat_profile import V4_0731, V41
 from model.tokenizer import DSML, THINK_END, load_tokenizer
 

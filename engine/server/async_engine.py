@@ -23,8 +23,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from engine.llm_engine import LLMEngine
-from engine.metrics import Metrics
 from engine.request import FinishReason, LogitsProcessor, Request, SamplingParams
+from engine.server.metrics import Metrics
 
 log = logging.getLogger(__name__)
 

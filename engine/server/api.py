@@ -1,6 +1,6 @@
 """The OpenAI API over the async engine: request checks, completions, tokenize, detokenize, models.
 
-Chat completions live in engine/openai_chat.py; the app and the command line in engine/serve.py.
+Chat completions live in engine/server/chat.py, the app in engine/server/app.py.
 """
 
 from __future__ import annotations
@@ -20,12 +20,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
-from engine.async_engine import AsyncEngine, Group, Unavailable, Update
 from engine.grammar import GrammarError, Grammars, LogitBias, chain
 from engine.llm_engine import LLMEngine
-from engine.metrics import Metrics
-from engine.openai_output import TextRelease, TokenTexts
-from engine.openai_protocol import (
+from engine.request import InvalidRequest, LogitsProcessor, SamplingParams
+from engine.server.async_engine import AsyncEngine, Group, Unavailable, Update
+from engine.server.metrics import Metrics
+from engine.server.output import TextRelease, TokenTexts
+from engine.server.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -34,7 +35,6 @@ from engine.openai_protocol import (
     TokenizeRequest,
     validation_error,
 )
-from engine.request import InvalidRequest, LogitsProcessor, SamplingParams
 from model.chat import ChatFormatError, check_tools, encode_messages, loads_strict
 from model.chat_profile import ChatProfile, EffortError, select_chat_profile
 from model.tokenizer import TextTokenizer

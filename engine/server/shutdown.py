@@ -14,7 +14,7 @@ from types import FrameType
 
 import uvicorn
 
-from engine.async_engine import AsyncEngine, Unavailable
+from engine.server.async_engine import AsyncEngine, Unavailable
 
 log = logging.getLogger(__name__)
 
