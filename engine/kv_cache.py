@@ -44,6 +44,10 @@ class KVCacheManager:
     def num_free(self) -> int:
         return len(self.free)
 
+    def usage_ratio(self) -> float:
+        """The share of blocks held (a read of one length: safe from another thread)."""
+        return 1.0 - len(self.free) / self.num_blocks
+
     def usage(self) -> dict[str, int]:
         """Blocks held per group."""
         held = {g.name: 0 for g in self.groups}

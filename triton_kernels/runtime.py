@@ -139,3 +139,13 @@ def grid(spec: KernelSpec, n_tasks: int) -> tuple[int]:
     """Persistent 1-D grid: one program per core of the kind the kernel runs on, never more than tasks."""
     cores = num_aicore() if spec.uses_cube else num_vectorcore()
     return (max(1, min(n_tasks, cores, _MAX_GRID)),)
+
+
+def memory_bytes() -> int:
+    """The device's total memory: host RAM when the backend is the CPU."""
+    kind = backend()
+    if kind == "npu":
+        return torch.npu.mem_get_info()[1]
+    if kind == "cuda":
+        return torch.cuda.mem_get_info()[1]
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import math
 import time
 import uuid
@@ -38,6 +39,8 @@ from engine.server.protocol import (
 from model.chat import ChatFormatError, check_tools, encode_messages, loads_strict
 from model.chat_profile import ChatProfile, EffortError, select_chat_profile
 from model.tokenizer import TextTokenizer
+
+log = logging.getLogger(__name__)
 
 M = TypeVar("M", bound=BaseModel)
 R = TypeVar("R")
@@ -83,14 +86,18 @@ class OpenAIServer:
         self,
         engine: LLMEngine,
         names: list[str],
-        api_key: str | None = None,
+        api_keys: list[str] | None = None,
         root: str = "",
         chat: ChatProfile | None = None,
         max_request_bytes: int = MAX_REQUEST_BYTES,
         max_waiting: int = 256,
+        generation_defaults: dict[str, float] | None = None,
+        log_requests: bool = False,
     ):
-        self.engine, self.names, self.api_key, self.root = engine, names, api_key, root
+        self.engine, self.names, self.root = engine, names, root
+        self.api_keys = [f"Bearer {key}".encode() for key in api_keys or []]
         self.max_request_bytes = max_request_bytes
+        self.generation_defaults, self.log_requests = generation_defaults or {}, log_requests
         self.tokenizer = engine.tokenizer
         self.cfg = engine.model.cfg
         self.chat = chat or select_chat_profile(self.cfg.model_type, root or None)  # the chat encoding
@@ -109,10 +116,12 @@ class OpenAIServer:
 
     # ---- request checks -------------------------------------------------------------------------------
     def authorize(self, request: Request) -> None:
-        if self.api_key is None:
+        if not self.api_keys:
             return
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+        given = request.headers.get("authorization", "").encode()
+        if not any(
+            [hmac.compare_digest(given, key) for key in self.api_keys]
+        ):  # no early exit: constant time
             raise APIError("invalid or missing API key", 401, code="invalid_api_key")
 
     def check_accepting(self) -> None:
@@ -200,8 +209,14 @@ class OpenAIServer:
     async def submit(
         self, prefix: str, seqs: list[Seq], prompt_param: str, max_tokens_param: str = "max_tokens"
     ) -> Group:
+        group_id = f"{prefix}-{uuid.uuid4().hex}"
+        if self.log_requests:
+            prompt, params, _ = seqs[0]
+            log.info(
+                "request %s: %d sequences, %d prompt tokens, %s", group_id, len(seqs), len(prompt), params
+            )
         try:
-            return await self.core.add(f"{prefix}-{uuid.uuid4().hex}", seqs)
+            return await self.core.add(group_id, seqs)
         except Unavailable as err:
             headers = {"Retry-After": str(err.retry_after or 5)}
             raise APIError(str(err), 503, code="server_busy", headers=headers) from None
@@ -282,7 +297,12 @@ class OpenAIServer:
         for p in prompts:
             max_tokens = self.max_tokens(body.max_tokens, p, "prompt")
             seqs += [
-                (p, body.sampling_params(max_tokens, body.logprobs, i), processors[i]) for i in range(body.n)
+                (
+                    p,
+                    body.sampling_params(max_tokens, body.logprobs, i, self.generation_defaults),
+                    processors[i],
+                )
+                for i in range(body.n)
             ]
         group = await self.submit("cmpl", seqs, "prompt")  # checks the token ids before echo decodes them
         texts = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in body.prompts()]

@@ -6,6 +6,7 @@ for a body over the limit, 415 for one that is not JSON); a full queue or a shut
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -60,13 +61,36 @@ class HTTPMetrics:
                 self.metrics.http.labels(endpoint, "499" if disconnected else "500").inc()
 
 
-def build_app(server: OpenAIServer, announce: str | None = None) -> FastAPI:
+async def log_stats(server: OpenAIServer, every: float = 10.0) -> None:
+    """vLLM's periodic line: throughput, requests and KV cache usage, while there is anything to say."""
+    metrics, last = server.metrics, (0.0, 0.0)
+    while True:
+        await asyncio.sleep(every)
+        tokens = (metrics.count(metrics.prompt_tokens), metrics.count(metrics.generation_tokens))
+        running, waiting = metrics.count(metrics.running), metrics.count(metrics.waiting)
+        if tokens == last and not running and not waiting:
+            continue
+        prompt, generated = ((now - before) / every for now, before in zip(tokens, last, strict=True))
+        last = tokens
+        log.info(
+            "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
+            "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%", prompt, generated, running, waiting,
+            100 * server.engine.cache.usage_ratio(),
+        )  # fmt: skip
+
+
+def build_app(
+    server: OpenAIServer, announce: str | None = None, log_stats_every: float | None = 10.0
+) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         server.core.start()
+        stats = asyncio.ensure_future(log_stats(server, log_stats_every)) if log_stats_every else None
         if announce:
             print(announce, flush=True)
         yield
+        if stats is not None:
+            stats.cancel()
         server.core.stop()
 
     app = FastAPI(title="deepseek-ascend", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)

@@ -56,7 +56,8 @@ async def chat_completions(server: OpenAIServer, request: Request) -> Response:
         raise APIError(str(err), param=param) from None
     processors = await server.processors(grammar, body, param)
     seqs: list[Seq] = [
-        (prompt, body.sampling_params(max_tokens, top, i), processors[i]) for i in range(body.n)
+        (prompt, body.sampling_params(max_tokens, top, i, server.generation_defaults), processors[i])
+        for i in range(body.n)
     ]
     limit_param = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
     group = await server.submit("chatcmpl", seqs, "messages", limit_param)

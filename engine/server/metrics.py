@@ -52,6 +52,11 @@ class Metrics:
         metric = kind(f"deepseek_{name}", doc, ["model_name", *labels], registry=self.registry, **extra)
         return metric if labels else metric.labels(self.model_name)
 
+    @staticmethod
+    def count(metric: Any) -> float:
+        """The current value of a counter or gauge of this model."""
+        return next(s.value for m in metric.collect() for s in m.samples if not s.name.endswith("_created"))
+
     def finished(self, reason: str) -> None:
         self._finished.labels(self.model_name, reason).inc()
 

@@ -15,6 +15,8 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from engine.request import FLOAT32_TINY, MAX_STOP_LENGTH, MAX_STOP_STRINGS, SEED_RANGE, SamplingParams
 
 MAX_SEQUENCES_PER_REQUEST = 64  # prompts x n of one completions request
+# What a checkpoint's generation_config.json may set for the requests that leave it unset.
+GENERATION_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 MAX_LOGIT_BIAS = 1024  # entries
 
 
@@ -137,18 +139,24 @@ class Sampling(_Strict):
             raise APIError(f"seed={self.seed} must be at most {SEED_RANGE[1] - self.n + 1} for n={self.n}",
                            param="seed")  # fmt: skip
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None, index: int) -> SamplingParams:
+    def sampling_params(
+        self, max_tokens: int, logprobs: int | None, index: int, defaults: dict[str, float] | None = None
+    ) -> SamplingParams:
+        """The engine's parameters of choice `index`; `defaults` (the checkpoint's generation config)
+        stand in for the fields of GENERATION_FIELDS the request left unset."""
+        given = {f: getattr(self, f) for f in GENERATION_FIELDS}
+        given.update({f: v for f, v in (defaults or {}).items() if f not in self.model_fields_set})
         stops = tuple(self.stop or ())
         try:
             return SamplingParams(
                 max_tokens=max_tokens,
-                temperature=self.temperature,
-                top_k=max(self.top_k, 0),
-                top_p=self.top_p,
-                min_p=self.min_p,
+                temperature=given["temperature"],
+                top_k=max(int(given["top_k"]), 0),
+                top_p=given["top_p"],
+                min_p=given["min_p"],
                 # Choice i of a seeded request draws from seed + i: the choices differ yet reproduce.
                 seed=None if self.seed is None else self.seed + index,
-                repetition_penalty=self.repetition_penalty,
+                repetition_penalty=given["repetition_penalty"],
                 presence_penalty=self.presence_penalty,
                 frequency_penalty=self.frequency_penalty,
                 logprobs=logprobs,

@@ -20,8 +20,6 @@ from model.deepseek_v41 import DeepseekV41
 if TYPE_CHECKING:
     from engine.llm_engine import EngineConfig
 
-SPECULATIVE_METHODS = ("mtp", "dspark")
-
 
 def build_proposer(
     config: EngineConfig,

@@ -1,0 +1,241 @@
+"""The server's command line: vLLM's `serve` flags for what the project supports, with vLLM's names,
+meanings and defaults, so a vLLM launch line works unchanged; the project's own flags beside them.
+
+Flags for what the project does not do yet (several devices, bf16, an fp8 KV cache) are accepted with
+their neutral value and refused, naming the flag, with any other; flags that change nothing here
+(`--trust-remote-code`, `--enforce-eager`) are accepted. `--config FILE` reads flags from YAML (keys are
+the long flag names); the command line wins over the file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from engine.config import SPECULATIVE_METHODS, EngineConfig
+from model.chat_profile import PROFILES
+
+# vLLM's names for the DeepSeek V4 tokenizer, tool-call and reasoning parsers: all built in here.
+DEEPSEEK_PARSERS = ("deepseek_v4", "deepseek_v41")
+# vLLM's speculative methods and ours: vLLM calls the V4 MTP layer `deepseek_mtp` or `mtp`.
+SPECULATIVE_ALIASES = {"mtp": "mtp", "deepseek_mtp": "mtp", "dspark": "dspark"}
+API_KEY_VARIABLES = ("DSV4_API_KEY", "VLLM_API_KEY")
+
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B?)", re.I)
+_COUNT = re.compile(r"(\d+(?:\.\d+)?)\s*([kKmMgG]?)")
+
+
+def parse_size(text: str) -> int:
+    """Bytes from `268435456`, `256MiB`, `1.5GiB` or `512M` (powers of 1024)."""
+    m = _SIZE.fullmatch(text.strip())
+    if m is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 256MiB")
+    return int(float(m[1]) * 1024 ** " KMGT".index(m[2].upper() or " "))
+
+
+def parse_count(text: str) -> int:
+    """A token count as vLLM writes it: `4096`, `64k` (x1000), `64K` (x1024), `1m`, `1M`, `1g`, `1G`."""
+    m = _COUNT.fullmatch(text.strip())
+    if m is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a token count such as 4096 or 64k")
+    unit = m[2]
+    base = 1000 if unit.islower() else 1024
+    return int(float(m[1]) * (base ** ("kmg".index(unit.lower()) + 1) if unit else 1))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m engine.serve",
+        description="OpenAI-compatible server for DeepSeek V4 / V4.1 (vLLM's serve flags; docs/serving.md)",
+    )
+    p.add_argument(
+        "model_tag", nargs="?", metavar="MODEL", help="the checkpoint folder (as `vllm serve MODEL`)"
+    )
+    p.add_argument("--model", help="the checkpoint folder (default: the tiny V4.1)")
+    p.add_argument("--config", help="a YAML file of flags, keys as the long flag names")
+
+    where = p.add_argument_group("where")
+    where.add_argument("--host", default="0.0.0.0", help="address to listen on (default: every interface)")
+    where.add_argument("--port", type=int, default=8000)
+    where.add_argument("--served-model-name", nargs="+", help="names clients use (default: the folder name)")
+    where.add_argument(
+        "--api-key",
+        action="append",
+        help=f"required Bearer key; repeatable; else {', '.join(API_KEY_VARIABLES)}",
+    )
+
+    model = p.add_argument_group("model")
+    model.add_argument("--tokenizer-mode", default="auto", choices=["auto", *DEEPSEEK_PARSERS])
+    model.add_argument(
+        "--trust-remote-code", action="store_true", help="accepted: the model code is built in"
+    )
+    model.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "half"])
+    model.add_argument("--quantization", "-q", help="must name the checkpoint's own format (fp8), if given")
+    model.add_argument("--max-model-len", type=parse_count, default=EngineConfig.max_model_len,
+                       help="prompt + completion limit, e.g. 4096 or 64k (default: 4096)")  # fmt: skip
+    model.add_argument("--generation-config", default="auto",
+                       help="auto: sampling defaults from the model's generation_config.json; vllm: none; "
+                       "or a folder holding one")  # fmt: skip
+    model.add_argument("--chat-encoding", choices=PROFILES, help="override the checkpoint's chat encoding")
+    model.add_argument("--tool-call-parser", choices=DEEPSEEK_PARSERS, help="accepted: built in")
+    model.add_argument("--reasoning-parser", choices=DEEPSEEK_PARSERS, help="accepted: built in")
+    model.add_argument(
+        "--enable-auto-tool-choice", action="store_true", help="accepted: tool_choice=auto works"
+    )
+
+    cache = p.add_argument_group("scheduling and cache")
+    cache.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
+    cache.add_argument(
+        "--max-num-batched-tokens", type=parse_count, default=EngineConfig.max_num_batched_tokens
+    )
+    cache.add_argument("--block-size", type=int, default=EngineConfig.block_size, help="tokens per KV block")
+    cache.add_argument("--kv-cache-memory", type=parse_size,
+                       help="bytes for the KV cache, e.g. 8GiB (default: 256MiB)")  # fmt: skip
+    cache.add_argument("--gpu-memory-utilization", type=float,
+                       help="the share of the device's memory for weights and the KV cache (instead of "
+                       "--kv-cache-memory)")  # fmt: skip
+    cache.add_argument("--kv-cache-dtype", default="auto", help="auto only (the model's own cache formats)")
+    cache.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                       help="accepted; not implemented yet, so it changes nothing")  # fmt: skip
+    cache.add_argument("--enforce-eager", action="store_true", help="accepted: no graphs are captured")
+    cache.add_argument("--seed", type=int, default=0, help="seeds the requests that bring no seed")
+
+    parallel = p.add_argument_group("parallelism (one device for now)")
+    for name, short in (("tensor", "tp"), ("data", "dp"), ("pipeline", "pp")):
+        parallel.add_argument(f"--{name}-parallel-size", f"-{short}", type=int, default=1)
+    parallel.add_argument("--enable-expert-parallel", action="store_true", help="accepted (one device)")
+
+    spec = p.add_argument_group("speculative decoding")
+    spec.add_argument(
+        "--speculative-config",
+        type=json.loads,
+        help='JSON, e.g. {"method": "mtp", "num_speculative_tokens": 1}',
+    )
+    spec.add_argument("--speculative-method", choices=SPECULATIVE_METHODS, help="mtp (V4) or dspark (V4.1)")
+    spec.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        help="drafts per step (default: 1 for mtp, the block for dspark)",
+    )
+    spec.add_argument("--dspark-min-confidence", type=float, default=0.0,
+                      help="verify the DSpark drafts whose confidence product stays >= this")  # fmt: skip
+
+    server = p.add_argument_group("server")
+    server.add_argument("--max-request-bytes", type=parse_size,
+                        help="larger request bodies get 413 (default: 4MiB)")  # fmt: skip
+    server.add_argument("--max-waiting-requests", type=int, default=256,
+                        help="sequences waiting beyond --max-num-seqs; more get 503")  # fmt: skip
+    server.add_argument("--shutdown-timeout", type=float, default=30.0,
+                        help="seconds SIGTERM lets the requests in flight finish (default: 30)")  # fmt: skip
+    server.add_argument("--enable-log-requests", action="store_true", help="log each request as it arrives")
+    server.add_argument("--disable-log-stats", action="store_true", help="no periodic throughput line")
+    server.add_argument("--uvicorn-log-level", default="info",
+                        choices=["critical", "error", "warning", "info", "debug", "trace"])  # fmt: skip
+    server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                        help="the server's own logging (default: info)")  # fmt: skip
+    server.add_argument("--torch-threads", type=int, help="torch CPU threads (default: torch's choice)")
+    return p
+
+
+def _yaml_flags(path: str) -> list[str]:
+    data = yaml.safe_load(Path(path).read_text())
+    if not isinstance(data, dict):
+        raise ValueError(f"--config {path}: must hold a mapping of flag names to values")
+    flags: list[str] = []
+    for key, value in data.items():
+        flag = "--" + str(key).replace("_", "-")
+        if value is True:
+            flags.append(flag)
+        elif value is False or value is None:
+            continue
+        elif isinstance(value, list):
+            flags += [flag, *map(str, value)]
+        elif isinstance(value, dict):
+            flags += [flag, json.dumps(value)]
+        else:
+            flags += [flag, str(value)]
+    return flags
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags, checked; errors exit through argparse naming the flag. `args.model` is resolved (None:
+    the tiny V4.1), `args.api_keys` holds every accepted key, the speculative flags are merged."""
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    early, _ = build_parser().parse_known_args(argv)
+    if early.config:
+        try:
+            argv = _yaml_flags(early.config) + argv
+        except (OSError, ValueError, yaml.YAMLError) as err:
+            parser.error(f"--config {early.config}: {err}")
+    args = parser.parse_args(argv)
+    try:
+        _check(args)
+    except ValueError as err:
+        parser.error(str(err))
+    return args
+
+
+def _check(args: argparse.Namespace) -> None:
+    if args.model_tag and args.model and Path(args.model_tag) != Path(args.model):
+        raise ValueError(f"the model is given twice: {args.model_tag!r} and --model {args.model!r}")
+    args.model = args.model or args.model_tag
+    for name in ("tensor", "data", "pipeline"):
+        if (size := getattr(args, f"{name}_parallel_size")) != 1:
+            raise ValueError(f"--{name}-parallel-size={size}: this server runs on one device for now (1)")
+    if args.dtype not in ("auto", "float32"):
+        raise ValueError(f"--dtype={args.dtype}: the model computes in float32 for now (auto or float32)")
+    if args.kv_cache_dtype != "auto":
+        raise ValueError(f"--kv-cache-dtype={args.kv_cache_dtype}: only auto (the model's own cache formats)")
+    if args.gpu_memory_utilization is not None:
+        if not 0 < args.gpu_memory_utilization <= 1:
+            raise ValueError(f"--gpu-memory-utilization={args.gpu_memory_utilization} must be in (0, 1]")
+        if args.kv_cache_memory is not None:
+            raise ValueError("give --gpu-memory-utilization or --kv-cache-memory, not both")
+    args.api_keys = list(args.api_key or []) or [k for v in API_KEY_VARIABLES if (k := os.environ.get(v))]
+    _merge_speculative(args)
+
+
+def _merge_speculative(args: argparse.Namespace) -> None:
+    """--speculative-config (vLLM's form) folded into --speculative-method / --num-speculative-tokens."""
+    config: Any = args.speculative_config
+    if config is not None:
+        if not isinstance(config, dict):
+            raise ValueError(f"--speculative-config must be a JSON object, not {config!r}")
+        unknown = sorted(set(config) - {"method", "num_speculative_tokens"})
+        if unknown:
+            raise ValueError(
+                f"--speculative-config: {', '.join(unknown)} not supported (method, num_speculative_tokens)"
+            )
+        method = SPECULATIVE_ALIASES.get(config.get("method"))
+        if method is None:
+            raise ValueError(
+                f"--speculative-config method={config.get('method')!r}: one of {sorted(SPECULATIVE_ALIASES)}"
+            )
+        for name, value in (
+            ("method", method),
+            ("num_speculative_tokens", config.get("num_speculative_tokens")),
+        ):
+            given = getattr(args, "speculative_method" if name == "method" else name)
+            if value is not None and given is not None and given != value:
+                raise ValueError(f"--speculative-config {name}={value!r} disagrees with the flag ({given!r})")
+        args.speculative_method = method
+        args.num_speculative_tokens = args.num_speculative_tokens or config.get("num_speculative_tokens")
+    if args.num_speculative_tokens is not None and args.speculative_method is None:
+        raise ValueError(
+            "--num-speculative-tokens needs a method: --speculative-method or --speculative-config"
+        )
+
+
+def non_default(args: argparse.Namespace) -> dict[str, Any]:
+    """The flags a launch line changed, for the start-up log."""
+    defaults = vars(build_parser().parse_args([]))
+    hidden = {"api_key", "api_keys", "model_tag", "config", "speculative_config"}
+    return {k: v for k, v in vars(args).items() if k not in hidden and defaults.get(k, v) != v}
