@@ -55,7 +55,7 @@ class LLMEngine:
         groups = cache_groups(model.cfg, model.embed.weight.element_size())
         self.cache = KVCacheManager.from_budget(groups, config.block_size, config.kv_cache_memory)
         self.runner = ModelRunner(model, self.cache)
-        self.sampler = Sampler(config.seed)
+        self.sampler = Sampler(config.seed, model.cfg.eos_token_id)
         self.proposer, self.num_drafts = build_proposer(
             config, model, self.runner.pools, self.sampler, proposer
         )
@@ -99,7 +99,7 @@ class LLMEngine:
             request.id = request_id
         self._arrivals += 1
         self.requests[request.id] = request
-        self.detokenizers[request.id] = IncrementalDetokenizer(self.tokenizer)
+        self.detokenizers[request.id] = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
         self.scheduler.add(request)
         return request
 
@@ -171,12 +171,13 @@ class LLMEngine:
             request.logprobs.append(logprobs)
         detok = self.detokenizers[request.id]
         new = detok.add(token)
-        stop_at = _first_stop(detok.text, len(new), params.stop)
+        may_stop = len(request.output) >= params.min_tokens
+        stop_at = _first_stop(detok.text, len(new), params.stop) if may_stop else None
         if stop_at is not None:
             request.stop_text_at = stop_at
             self._finish(request, FinishReason.STOP)
-        elif token in params.stop_token_ids or (
-            token == self.model.cfg.eos_token_id and not params.ignore_eos
+        elif may_stop and (
+            token in params.stop_token_ids or (token == self.model.cfg.eos_token_id and not params.ignore_eos)
         ):
             self._finish(request, FinishReason.STOP)
         elif len(request.output) >= params.max_tokens or request.num_tokens >= self.config.max_model_len:
@@ -197,7 +198,7 @@ class LLMEngine:
             self.proposer.release(request.id)
 
     def text(self, request: Request) -> str:
-        text = self.tokenizer.decode(request.output, skip_special_tokens=True)
+        text = self.tokenizer.decode(request.output, skip_special_tokens=request.params.skip_special_tokens)
         return text if request.stop_text_at is None else text[: request.stop_text_at]
 
     def completion(self, request: Request) -> Completion:

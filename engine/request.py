@@ -43,6 +43,8 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    min_tokens: int = 0  # before this many, neither EOS, a stop token nor a stop string ends the output
+    skip_special_tokens: bool = True  # in the output text
 
     def __post_init__(self) -> None:
         def need(ok: bool, message: str) -> None:
@@ -50,6 +52,8 @@ class SamplingParams:
                 raise ValueError(message)
 
         need(self.max_tokens >= 1, f"max_tokens={self.max_tokens} must be at least 1")
+        need(0 <= self.min_tokens <= self.max_tokens,
+             f"min_tokens={self.min_tokens} must be in [0, max_tokens={self.max_tokens}]")  # fmt: skip
         need(0.0 <= self.temperature <= 100.0, f"temperature={self.temperature} must be in [0, 100]")
         need(self.top_k >= 0, f"top_k={self.top_k} must be >= 0 (0 disables it)")
         need(FLOAT32_TINY <= self.top_p <= 1.0, f"top_p={self.top_p} must be in [{FLOAT32_TINY}, 1]")

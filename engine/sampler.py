@@ -19,7 +19,9 @@ Sampled = tuple[int, dict[int, float] | None]  # token, and its top logprobs whe
 
 
 class Sampler:
-    def __init__(self, seed: int = 0):
+    def __init__(self, seed: int = 0, eos_token_id: int | None = None):
+        """``eos_token_id``: banned, with the stop tokens, before a request's ``min_tokens``."""
+        self.eos_token_id = eos_token_id
         self._seeds = torch.Generator().manual_seed(seed)  # seeds requests that bring none
         self._generators: dict[str, torch.Generator] = {}
 
@@ -87,9 +89,14 @@ class Sampler:
     def _draw(self, request: Request, probs: torch.Tensor) -> int:
         return int(torch.multinomial(probs, 1, generator=self.generator(request)))
 
-    @staticmethod
-    def _adjusted(request: Request, logits: torch.Tensor, output: list[int]) -> torch.Tensor:
-        adjusted = penalize(logits, request.prompt, output, request.params)
+    def _adjusted(self, request: Request, logits: torch.Tensor, output: list[int]) -> torch.Tensor:
+        params = request.params
+        adjusted = penalize(logits, request.prompt, output, params)
+        if len(output) < params.min_tokens:
+            ends = [*params.stop_token_ids]
+            if self.eos_token_id is not None and not params.ignore_eos:
+                ends.append(self.eos_token_id)
+            adjusted = adjusted.index_fill(0, torch.tensor(ends, dtype=torch.long), float("-inf"))
         if request.logits_processor is not None:
             adjusted = request.logits_processor(output, adjusted)
         return adjusted

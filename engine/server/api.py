@@ -169,6 +169,8 @@ class OpenAIServer:
             parsed = model.model_validate(data)
         except ValidationError as err:
             raise validation_error(err) from None
+        if ignored := parsed.ignored_fields():
+            log.warning("ignoring unknown request fields: %s", ", ".join(ignored))
         name = getattr(parsed, "model", None)
         if name is not None and name not in self.names:
             raise APIError(f"the model {name!r} does not exist", 404, param="model", code="model_not_found")
@@ -356,7 +358,7 @@ class OpenAIServer:
     def chat_prompt(self, body: ChatCompletionRequest | TokenizeRequest, mode: str, schema: Any) -> str:
         kwargs = body.chat_template_kwargs
         try:
-            effort = self.chat.openai_effort(body.reasoning_effort, body.thinking)
+            effort = self.chat.openai_effort(body.effort, body.thinking)
         except EffortError as err:
             raise APIError(str(err), param="reasoning_effort") from None
         try:
@@ -373,7 +375,7 @@ class OpenAIServer:
                 thinking=body.thinking,
                 reasoning_effort=effort,
                 response_format=schema,  # shown to the model in the system section
-                add_generation_prompt=getattr(body, "add_generation_prompt", True),
+                add_generation_prompt=body.add_generation_prompt,
                 drop_thinking=kwargs.drop_thinking if kwargs else True,
             )
         except ChatFormatError as err:

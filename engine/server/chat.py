@@ -23,8 +23,8 @@ from model.chat_parse import StreamDelta
 
 def _delta(d: StreamDelta) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    if d.reasoning_content:
-        out["reasoning_content"] = d.reasoning_content
+    if d.reasoning_content:  # under both names: current vLLM's `reasoning` and the older one
+        out["reasoning"] = out["reasoning_content"] = d.reasoning_content
     if d.content:
         out["content"] = d.content
     if d.tool_calls:
@@ -75,7 +75,7 @@ async def chat_completions(server: OpenAIServer, request: Request) -> Response:
             d, finish = choices[u.index].advance(u.text, u.finish_reason)
             message: dict[str, Any] = {"role": "assistant", "content": d.content}
             if body.thinking:
-                message["reasoning_content"] = d.reasoning_content
+                message["reasoning"] = message["reasoning_content"] = d.reasoning_content
             if d.tool_calls:
                 message["tool_calls"] = [c.to_openai() for c in d.tool_calls]
                 message["content"] = d.content or None

@@ -1,9 +1,14 @@
-"""OpenAI request schemas, validated strictly: a wrong type, an unknown field or an out-of-range value is a
-400 naming the field, never a 500 and never silently coerced or ignored.
+"""OpenAI request schemas, validated strictly: a wrong type or an out-of-range value is a 400 naming the
+field, never a 500 and never silently coerced.
 
-Beyond OpenAI: `top_k`, `min_p`, `repetition_penalty` and `ignore_eos` (as vLLM), and for chat
-`chat_template_kwargs.thinking` (vLLM's switch for reasoning models; `reasoning_effort` alone also turns
-thinking on).
+Unknown top-level fields are accepted and ignored, as vLLM does (the server logs their names), so clients
+that send `metadata`, `store` or fields of newer APIs keep working; fields that would change the output
+and are not implemented (`UNSUPPORTED`) are refused unless they hold their neutral value.
+
+Beyond OpenAI, as vLLM: `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `min_tokens`,
+`stop_token_ids`, `skip_special_tokens`, `guided_json` / `structured_outputs.json`, and for chat
+`add_generation_prompt` and `chat_template_kwargs` (`thinking`, `reasoning_effort`; `reasoning_effort`
+alone also turns thinking on).
 """
 
 from __future__ import annotations
@@ -66,6 +71,31 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
+# Fields vLLM or OpenAI define that would change the output and are not implemented here, with their
+# neutral values: any other value is a 400 naming the field.
+UNSUPPORTED: dict[str, Any] = {
+    "use_beam_search": False, "length_penalty": 1.0, "include_stop_str_in_output": False,
+    "prompt_logprobs": None, "truncate_prompt_tokens": None, "allowed_token_ids": None, "bad_words": None,
+    "logits_processors": None, "return_tokens_as_token_ids": False, "chat_template": None,
+    "continue_final_message": False, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
+    "suffix": None, "prediction": None, "audio": None, "echo": False,
+}  # fmt: skip
+
+
+class _Body(BaseModel):
+    """A request body: strict about the fields it declares, tolerant of the others (see the module doc)."""
+
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+
+    def ignored_fields(self) -> list[str]:
+        """The unknown fields, after refusing a non-neutral value of an UNSUPPORTED one."""
+        extra = self.model_extra or {}
+        for name, neutral in UNSUPPORTED.items():
+            if name in extra and extra[name] != neutral:
+                raise APIError(f"{name} is not supported by this server", param=name)
+        return sorted(name for name in extra if name not in UNSUPPORTED)
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False
 
@@ -91,9 +121,20 @@ class NamedToolChoice(_Strict):
     function: NamedFunction
 
 
-class ChatTemplateKwargs(_Strict):
+class ChatTemplateKwargs(BaseModel):
+    """vLLM's free-form chat template arguments: the ones the encoding takes; others are ignored."""
+
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+
     thinking: bool | None = None
+    reasoning_effort: str | int | None = None  # vLLM's DeepSeek-V4 form of the top-level field
     drop_thinking: bool = True  # leave earlier turns' reasoning out of the prompt, as the official encoder
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's `structured_outputs`: a JSON schema (other kinds are not implemented)."""
+
+    json_: dict[str, Any] = Field(alias="json")
 
 
 Probability = Annotated[float, Field(ge=0.0, le=1.0)]
@@ -107,7 +148,7 @@ Stop = Annotated[
 Seed = Annotated[int, Field(ge=SEED_RANGE[0], le=SEED_RANGE[1])]
 
 
-class Sampling(_Strict):
+class Sampling(_Body):
     """Fields both endpoints share."""
 
     model: str | None = None
@@ -126,6 +167,9 @@ class Sampling(_Strict):
         | None
     ) = None
     ignore_eos: bool = False
+    min_tokens: Annotated[int, Field(ge=0)] = 0
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # an end-user id for abuse tracking: accepted, not used
@@ -161,7 +205,10 @@ class Sampling(_Strict):
                 frequency_penalty=self.frequency_penalty,
                 logprobs=logprobs,
                 stop=stops,
+                stop_token_ids=tuple(self.stop_token_ids or ()),
                 ignore_eos=self.ignore_eos,
+                min_tokens=self.min_tokens,
+                skip_special_tokens=self.skip_special_tokens,
             )
         except ValueError as err:
             raise APIError(str(err)) from None
@@ -185,7 +232,6 @@ class CompletionRequest(Sampling):
     max_tokens: Annotated[int, Field(ge=1)] | None = 16
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     echo: bool = False
-    suffix: None = None  # no fill-in-the-middle
     best_of: int | None = None
 
     def prompts(self) -> list[str | list[int]]:
@@ -205,19 +251,28 @@ class CompletionRequest(Sampling):
         return prompts
 
 
-class _ChatTemplate(_Strict):
+class _ChatTemplate(_Body):
     """What the chat encoding takes besides the messages."""
 
     tools: list[Any] | None = None  # checked by the chat encoding, as the messages
     reasoning_effort: str | int | None = None  # OpenAI's names or the encoding's own (docs/serving.md)
     chat_template_kwargs: ChatTemplateKwargs | None = None
+    add_generation_prompt: bool = True
+
+    @property
+    def effort(self) -> str | int | None:
+        """`reasoning_effort`, or vLLM's `chat_template_kwargs.reasoning_effort`."""
+        kwargs = self.chat_template_kwargs
+        if self.reasoning_effort is None and kwargs is not None:
+            return kwargs.reasoning_effort
+        return self.reasoning_effort
 
     @property
     def thinking(self) -> bool:
         kwargs = self.chat_template_kwargs
         if kwargs is not None and kwargs.thinking is not None:
             return kwargs.thinking
-        return self.reasoning_effort not in (None, "none")
+        return self.effort not in (None, "none")
 
 
 class ChatCompletionRequest(Sampling, _ChatTemplate):
@@ -229,6 +284,8 @@ class ChatCompletionRequest(Sampling, _ChatTemplate):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | None = None  # vLLM's older name of structured_outputs.json
+    structured_outputs: StructuredOutputs | None = None
 
     def logprobs_count(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
@@ -253,7 +310,13 @@ class ChatCompletionRequest(Sampling, _ChatTemplate):
         return choice or "auto", None
 
     def json_schema(self) -> dict[str, Any] | None:
-        """The schema the output must follow, if any."""
+        """The schema the output must follow, if any (`response_format`, or vLLM's two other fields)."""
+        vllm = [s for s in (self.guided_json, self.structured_outputs and self.structured_outputs.json_) if s]
+        if vllm:
+            if self.response_format is not None or len(vllm) > 1:
+                raise APIError("give one of response_format, guided_json and structured_outputs",
+                               param="structured_outputs")  # fmt: skip
+            return vllm[0]
         fmt = self.response_format
         if fmt is None or fmt.type == "text":
             if fmt is not None and fmt.json_schema is not None:
@@ -275,10 +338,9 @@ class TokenizeRequest(_ChatTemplate):
     prompt: str | None = None
     messages: list[Any] | None = None
     add_special_tokens: bool = True  # a text prompt gets BOS, as /v1/completions does
-    add_generation_prompt: bool = True
     return_token_strs: bool = False
 
 
-class DetokenizeRequest(_Strict):
+class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[int]

@@ -58,7 +58,6 @@ CHAT_400 = {
     "presence penalty out of range": chat(presence_penalty=3),
     "stop not strings": chat(stop=[1, 2]),
     "empty stop string": chat(stop=[""]),
-    "unknown field": chat(frobnicate=True),
     "stream_options without stream": chat(stream_options={"include_usage": True}),
     "tool_choice without tools": chat(tool_choice="required"),
     "unknown tool named": chat(tools=[F], tool_choice={"type": "function", "function": {"name": "g"}}),

@@ -136,7 +136,11 @@ TYPES = {
     "logprobs int on chat": (CHAT, chat(logprobs=3), "logprobs"),
     "ignore_eos string": (CHAT, chat(ignore_eos="true"), "ignore_eos"),
     "parallel_tool_calls int": (CHAT, chat(parallel_tool_calls=1), "parallel_tool_calls"),
-    "chat_template_kwargs unknown": (CHAT, chat(chat_template_kwargs={"x": 1}), "chat_template_kwargs"),
+    "use_beam_search": (CHAT, chat(use_beam_search=True), "use_beam_search"),
+    "a chat template of its own": (CHAT, chat(chat_template="{{ messages }}"), "chat_template"),
+    "guided_regex": (COMPLETIONS, completion(guided_regex="a+"), "guided_regex"),
+    "min_tokens over max_tokens": (CHAT, chat(min_tokens=5), None),
+    "stop_token_ids negative": (CHAT, chat(stop_token_ids=[-1]), "stop_token_ids"),
     "chat_template_kwargs thinking string": (
         CHAT,
         chat(chat_template_kwargs={"thinking": "on"}),
