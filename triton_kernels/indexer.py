@@ -275,14 +275,18 @@ def _score_keys(
     q, w, k_ptr, ks_ptr, table_row, block_size, pos, valid, D, QUANT: tl.constexpr, DP: tl.constexpr
 ):
     """Logits of the entries ``pos`` (``-inf`` where not ``valid``) gathered through the block table."""
-    slot = tl.load(table_row + pos // block_size, mask=valid, other=0) * block_size + pos % block_size
+    # Ascend drops these gathers' masks: invalid lanes read entry 0 and key slot 0, padded channels D - 1.
+    safe = tl.where(valid, pos, 0)
+    entry = tl.load(table_row + safe // block_size, mask=valid, other=0)  # in-bounds: invalid lanes at 0
+    slot = tl.where(valid, entry * block_size + safe % block_size, 0)
     d = tl.arange(0, DP)
-    keys = tl.load(k_ptr + slot[:, None] * D + d[None, :], mask=valid[:, None] & (d[None, :] < D), other=0)
+    k_off = slot[:, None] * D + tl.minimum(d, D - 1)[None, :]
+    keys = tl.load(k_ptr + k_off, mask=valid[:, None] & (d[None, :] < D), other=0)  # in-bounds: clamped
     if QUANT:
         # relu(qs * ks * dot) = qs * ks * relu(dot): both scales are >= 0.
         dots = tl.dot(q, tl.trans(keys), out_dtype=tl.int32).to(tl.float32)
         logits = tl.sum(tl.maximum(dots, 0.0) * w[:, None], axis=0)
-        logits = logits * tl.load(ks_ptr + slot, mask=valid, other=0.0)
+        logits = logits * tl.load(ks_ptr + slot, mask=valid, other=0.0)  # in-bounds: slot clamped
     else:
         # ieee: the tf32 default on GPUs would cost ~1e-3 relative error in the logits.
         dots = tl.dot(q, tl.trans(keys.to(tl.float32)), input_precision="ieee")
@@ -290,7 +294,7 @@ def _score_keys(
     return tl.where(valid, logits, float("-inf"))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _indexer_logits_kernel(
     q_ptr,
     qs_ptr,
@@ -323,7 +327,7 @@ def _indexer_logits_kernel(
         tl.store(out_ptr + t * width + pos, logits, mask=pos < width)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "n_cand"])
 def _indexer_topk_kernel(
     q_ptr,
     qs_ptr,
