@@ -48,6 +48,7 @@ import triton
 import triton.language as tl
 
 from triton_kernels import runtime, topk, tuning
+from triton_kernels.safe_access import gather_rows
 from triton_kernels.spec import KernelSpec, TuneConfig
 from triton_kernels.topk import candidate_blocks_ref, check_candidate_geometry, check_k, check_tensor
 
@@ -275,13 +276,11 @@ def _score_keys(
     q, w, k_ptr, ks_ptr, table_row, block_size, pos, valid, D, QUANT: tl.constexpr, DP: tl.constexpr
 ):
     """Logits of the entries ``pos`` (``-inf`` where not ``valid``) gathered through the block table."""
-    # Ascend drops these gathers' masks: invalid lanes read entry 0 and key slot 0, padded channels D - 1.
+    # Invalid lanes read table entry 0 and key slot 0 (Ascend drops these gathers' masks).
     safe = tl.where(valid, pos, 0)
     entry = tl.load(table_row + safe // block_size, mask=valid, other=0)  # in-bounds: invalid lanes at 0
     slot = tl.where(valid, entry * block_size + safe % block_size, 0)
-    d = tl.arange(0, DP)
-    k_off = slot[:, None] * D + tl.minimum(d, D - 1)[None, :]
-    keys = tl.load(k_ptr + k_off, mask=valid[:, None] & (d[None, :] < D), other=0)  # in-bounds: clamped
+    keys = gather_rows(k_ptr, slot, valid, tl.arange(0, DP), D, D == DP)
     if QUANT:
         # relu(qs * ks * dot) = qs * ks * relu(dot): both scales are >= 0.
         dots = tl.dot(q, tl.trans(keys), out_dtype=tl.int32).to(tl.float32)

@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from triton_kernels import runtime, tuning
+from triton_kernels.safe_access import gather_rows
 from triton_kernels.spec import KernelSpec, TuneConfig
 
 _DTYPES = (torch.float32, torch.bfloat16)
@@ -212,8 +213,7 @@ def _hc_mix_kernel(
         scale = tl.where(
             r == NP, s_pre, tl.where(r == NP + 1, tl.load(scale_ptr + 1), tl.load(scale_ptr + 2))
         )
-    # Ascend drops the masks of these row gathers: unused slots read row 0, column tails column K - 1.
-    fn_row = tl.where(used, fn_row, 0)
+    fn_row = tl.where(used, fn_row, 0)  # unused slots read row 0 (Ascend drops these gathers' masks)
     base = tl.load(base_ptr + fn_row, mask=used, other=0.0)  # in-bounds: unused slots read row 0
     r3 = tl.arange(0, R_PAD)[None, :, None]
     j3 = tl.arange(0, NP)[None, None, :]
@@ -230,8 +230,7 @@ def _hc_mix_kernel(
                 x_ptr + tok[:, None] * K + kk[None, :], mask=tok_ok[:, None] & k_ok[None, :], other=0.0
             )
             xv = xv.to(tl.float32)
-            w_off = fn_row[:, None] * K + tl.minimum(kk, K - 1)[None, :]
-            w = tl.load(fn_ptr + w_off, mask=used[:, None] & k_ok[None, :], other=0.0)  # in-bounds: clamped
+            w = gather_rows(fn_ptr, fn_row, used, kk, K, k0 + BLOCK_K <= K)
             sq += xv * xv
             # ieee: the tf32 default on GPUs would cost ~1e-3 relative error in the mixes.
             acc = tl.dot(xv, tl.trans(w), acc, input_precision="ieee")

@@ -41,6 +41,7 @@ import triton.language as tl
 from triton_kernels import runtime, tuning
 from triton_kernels.quant import dequantize_int8
 from triton_kernels.rope import apply_rope_ref
+from triton_kernels.safe_access import gather_rows
 from triton_kernels.spec import KernelSpec, TuneConfig
 
 MAX_HEADS = 128
@@ -229,10 +230,8 @@ def _attend(
         j = j0 + tl.arange(0, BLOCK_N)
         slot = tl.load(idx_ptr + j, mask=j < hi, other=-1)
         valid = slot >= 0
-        # Ascend drops this gather's mask: -1 slots read row 0, the padded channels channel D - 1.
-        row = tl.where(valid, slot, 0)
-        k_off = row[:, None] * D + tl.minimum(d, D - 1)[None, :]
-        k = tl.load(kv_ptr + k_off, mask=valid[:, None] & (d[None, :] < D), other=0)  # in-bounds: clamped
+        row = tl.where(valid, slot, 0)  # -1 slots read row 0
+        k = gather_rows(kv_ptr, row, valid, d, D, D == DP)
         if BF16_DOT:
             k = k.to(tl.bfloat16)
         else:
@@ -482,7 +481,7 @@ def _pad(d: int) -> int:
     return max(16, triton.next_power_of_2(d))
 
 
-# Footprints at D = 512 (IR sums up to 186 KiB for fp32 prefill): the transposed query and the
+# Footprints at D = 512 (IR sums up to 182.5 KiB for fp32 prefill): the transposed query and the
 # accumulator [BLOCK_H, DP] fp32, a [BLOCK_N, DP] fp32 key tile per pool loop (both counted, one is live),
 # score, probability and mask tiles [BLOCK_N, BLOCK_H]; the prefill epilogue adds the rotation's even,
 # odd and joined halves. Larger tiles do not fit the unified buffer at D = 512, even single-buffered.
