@@ -1,13 +1,15 @@
 """Ascend lowering gate: every Triton kernel of ``triton_kernels``, compiled by triton-ascend.
 
 The interpreter proves that a kernel computes the right thing, not that Triton-Ascend can compile it.
-This lowers each (kernel, dtype variant, autotune config) that the op modules declare in ``KERNELS``
-through triton-ascend's ``ttir`` and ``ttadapter`` stages, for the A2/A3 target and for the adapter's
-Ascend 950 variant: that is the MLIR CANN's BiSheng compiler takes. BiSheng itself (unified-buffer
-planning, the binary) needs CANN and is not run. It needs triton-ascend, which cannot share an
-environment with upstream triton: ``.ci/ascend_gate.sh`` builds one. See docs/ascend-gate.md.
+This lowers each (kernel, dtype variant, autotune config) that the op modules declare in ``KERNELS``,
+each kernel once more with the runtime's specialisation hints, and every launch recorded from the tiny
+models, through triton-ascend's ``ttir`` and ``ttadapter`` stages for the A2/A3 target (and, asked for,
+the adapter's Ascend 950 variant): that is the MLIR CANN's BiSheng compiler takes. Every lowering's
+masked accesses that Ascend unmasks must be marked in bounds (``ascend_ir``). BiSheng itself
+(unified-buffer planning, the binary) needs CANN and is not run. It needs triton-ascend, which cannot
+share an environment with upstream triton: ``.ci/ascend_gate.sh`` builds one. See docs/ascend-gate.md.
 
-    python -m triton_kernels.ascend_check [--module tests/ascend/bad_kernels.py ...]
+    python -m triton_kernels.ascend_check [--targets a2,a3,950] [--module tests/ascend/bad_kernels.py ...]
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ import ast
 import importlib
 import importlib.util
 import json
-import linecache
 import os
 import pkgutil
 import re
@@ -43,21 +44,27 @@ from triton.compiler.errors import CompilationError
 
 import triton_kernels
 from triton_kernels.sku import ASCEND_UB_BYTES
-from triton_kernels.spec import IN_BOUNDS_MARK, KernelSpec, TuneConfig
+from triton_kernels.spec import KernelSpec, TuneConfig
 
 try:  # upstream triton has neither the Ascend backend nor this helper
-    from triton.backends.ascend.compiler import (
-        AscendAttrsDescriptor,
-        AscendBackend,
-        _get_triton_adapter_opt_path,
-    )
+    from triton.backends.ascend.compiler import AscendBackend
     from triton.runtime.jit import JITFunction, KernelInterface, get_jit_fn_file_line
+
+    from triton_kernels.ascend_ir import (
+        SPECIALISATIONS,
+        dropped_masks,
+        rel_path,
+        scalar_fallbacks,
+        specialised,
+        static_buffer_bytes,
+        unproven,
+    )
 except ImportError as exc:
     raise SystemExit(
         f"ascend_check needs triton-ascend, in a venv of its own: run .ci/ascend_gate.sh ({exc})"
     ) from None
 
-_SELF = "triton_kernels.ascend_check"
+_TOOLING = ("triton_kernels.ascend_check", "triton_kernels.ascend_ir")  # the gate, not op modules
 # Every config's IR estimate, single-buffered, should leave BiSheng a fifth of the unified buffer for its
 # own temporaries: on overflow it silently drops code motion, then multibuffering.
 UB_BUDGET_BYTES = int(0.8 * ASCEND_UB_BYTES)
@@ -73,24 +80,6 @@ TARGETS: tuple[tuple[str, GPUTarget, dict[str, Any]], ...] = (
 _MIX_MODE = re.compile(r'mix_mode\s*=\s*"(\w+)"')
 # ``file:line:col: error: msg``, or ``loc("file":line:col): error: msg`` from a handler without sources.
 _MLIR_ERROR = re.compile(r'^(?:loc\(")?([^\s"]+?)"?:(\d+):\d+\)?: error: (.*)$', re.M)
-# A tt.load / tt.store line of the TTIR: its operands (pointer, then mask, then other) and its location.
-_ACCESS = re.compile(r"\btt\.(load|store) ([^:]*?) : .*loc\((#loc\d*)\)\s*$", re.M)
-_LOC_DEF = re.compile(r"^(#loc\d*) = loc\((.*)\)\s*$", re.M)
-_LOC_FILE = re.compile(r'^"([^"]+)":(\d+):(\d+)$')
-_LOC_CALLSITE = re.compile(r"^callsite\((#loc\d*) at (#loc\d*)\)$")
-# TTIR ops that BiSheng lowers to the scalar unit on A2/A3 (correct but slow), by name in the report.
-_SCALAR_FALLBACKS = {
-    "ordered int compare": re.compile(
-        r"arith\.cmpi (?:slt|sle|sgt|sge|ult|ule|ugt|uge), .*: tensor<[^>]*xi\d+>"
-    ),
-    "int % or /": re.compile(r"arith\.(?:remsi|remui|divsi|divui) .*: tensor<[^>]*xi\d+>"),
-    "cumsum": re.compile(r'"tt\.scan"'),
-    "histogram": re.compile(r"tt\.histogram"),
-    "i64 vector op": re.compile(r"arith\.\w+ .*: tensor<[^>]*xi64>"),
-}
-_STATIC_BUFFER = re.compile(
-    r"= (?:memref\.alloc|tensor\.empty|bufferization\.alloc_tensor)\(\) : (?:memref|tensor)<([^,>]*)>"
-)
 
 
 class LoweringError(Exception):
@@ -116,15 +105,14 @@ class Report:
     swept: int = 0
 
     def count_fallbacks(self, ttir: str) -> None:
-        for kind, pattern in _SCALAR_FALLBACKS.items():
-            if found := len(pattern.findall(ttir)):
-                self.fallbacks[kind] = max(self.fallbacks.get(kind, 0), found)
+        for kind, found in scalar_fallbacks(ttir).items():
+            self.fallbacks[kind] = max(self.fallbacks.get(kind, 0), found)
 
     def lint(self, ttir: str, options: dict[str, Any], context: str) -> None:
         """Records the lowering's dropped-mask sites; an unmarked one is an error."""
         for site in dropped_masks(ttir, options) - self.dropped:
             self.dropped.add(site)
-            if (message := _unproven(site)) is not None:
+            if (message := unproven(site)) is not None:
                 self.unproven.add(site)
                 self.errors.append(f"{context} dropped mask: {message}")
 
@@ -135,13 +123,9 @@ class Report:
         return self.estimates.get(index, 0) > UB_BUDGET_BYTES
 
 
-def _rel(path: str) -> str:
-    return os.path.relpath(path) if os.path.abspath(path).startswith(os.getcwd() + os.sep) else path
-
-
 def _where(fn: JITFunction) -> str:
     path, line = get_jit_fn_file_line(fn)
-    return f"{_rel(path)}:{line}"
+    return f"{rel_path(path)}:{line}"
 
 
 def _jit(obj: Any) -> JITFunction | None:
@@ -168,7 +152,7 @@ def _referenced(fn: JITFunction) -> Iterator[JITFunction]:
 
 def _modules(paths: list[str]) -> Iterator[tuple[str, ModuleType | Exception]]:
     package = pkgutil.walk_packages(triton_kernels.__path__, "triton_kernels.")
-    for item in paths or [m.name for m in package if m.name != _SELF]:
+    for item in paths or [m.name for m in package if m.name not in _TOOLING]:
         try:
             if item.endswith(".py"):
                 spec = importlib.util.spec_from_file_location(Path(item).stem, item)
@@ -210,10 +194,10 @@ def _describe(exc: Exception, log: str, fn: JITFunction, known: dict[str, JITFun
                 code = err.src.splitlines()[err.node.lineno - 1].split("#")[0].strip()
                 cause = chain[-1].__cause__
                 message = f"{type(cause).__name__}: {cause}" if cause else chain[-1].error_message
-                return f"{_rel(path)}:{first + err.node.lineno - 1}: {message}  [{code}]"
+                return f"{rel_path(path)}:{first + err.node.lineno - 1}: {message}  [{code}]"
     stderr = getattr(exc, "stderr", None) or b""
     if match := _MLIR_ERROR.search(stderr.decode(errors="replace") + log):
-        return f"{_rel(match[1])}:{match[2]}: {match[3]}"
+        return f"{rel_path(match[1])}:{match[2]}: {match[3]}"
     if isinstance(exc, subprocess.CalledProcessError) and exc.returncode < 0:
         return f"{_where(fn)}: triton-adapter-opt crashed ({signal.Signals(-exc.returncode).name})"
     lines = str(exc).strip().splitlines()
@@ -264,121 +248,6 @@ def lower(
                 f"{stage}: {_describe(failure, log.read().decode(errors='replace'), fn, known)}"
             )
     raise AssertionError("unreachable")
-
-
-def _location_keys(mlir: str) -> dict[str, str]:
-    """Each ``#loc`` alias spelled out: ``file:line:col`` positions, innermost (a helper's line) first."""
-    raw = dict(_LOC_DEF.findall(mlir))
-
-    def spell(text: str, depth: int = 0) -> str:
-        if text.startswith("#"):
-            return spell(raw.get(text, "?"), depth + 1) if depth < 64 else "?"
-        if match := _LOC_FILE.match(text):
-            return f"{match[1]}:{match[2]}:{match[3]}"
-        if match := _LOC_CALLSITE.match(text):
-            return f"{spell(match[1], depth + 1)} <- {spell(match[2], depth + 1)}"
-        return text
-
-    return {alias: spell(alias) for alias in raw}
-
-
-def _accesses(mlir: str) -> Iterator[tuple[str, bool, str]]:
-    """(``load`` or ``store``, whether it is masked, spelled-out location) of every memory access."""
-    keys = _location_keys(mlir)
-    for kind, operands, alias in _ACCESS.findall(mlir):
-        count = operands.split("{")[0].count("%")
-        yield kind, count >= (2 if kind == "load" else 3), keys.get(alias, alias)
-
-
-def dropped_masks(ttir: str, options: dict[str, Any]) -> set[tuple[str, str, int]]:
-    """(kind, file, line) of each masked load/store that the adapter's discrete-mask pass makes unmasked.
-
-    The pass replaces a masked access whose mask it cannot prove rectangular by an unmasked one plus a
-    select (for a store: load, select, store), so every lane's address is then really accessed.
-    """
-    masked = {where for kind, is_masked, where in _accesses(ttir) if is_masked}
-    with tempfile.TemporaryDirectory() as tmp:
-        src, dst = Path(tmp, "kernel.ttir"), Path(tmp, "kernel.dm.mlir")
-        src.write_text(ttir)
-        on_950 = options.get("compile_on_910_95", False)
-        command = [
-            _get_triton_adapter_opt_path(),
-            str(src),
-            f"--discrete-mask-access-conversion=compile-on-910-95={on_950} force-simt-template=False",
-            "--mlir-print-debuginfo",
-            "-o",
-            str(dst),
-        ]
-        # The adapter now and then crashes on input it takes on the next run (see ``lower``): one retry.
-        if subprocess.run(command, capture_output=True).returncode != 0:
-            subprocess.run(command, capture_output=True, check=True)
-        converted = dst.read_text()
-    sites = set()
-    for kind, is_masked, where in _accesses(converted):
-        if not is_masked and where in masked:
-            path, line, _ = where.split(" <- ")[0].rsplit(":", 2)
-            sites.add((kind, path, int(line)))
-    return sites
-
-
-def _unproven(site: tuple[str, str, int]) -> str | None:
-    """The gate's message for a dropped-mask site whose source line does not declare it in bounds."""
-    kind, path, line = site
-    code = linecache.getline(path, line)
-    if IN_BOUNDS_MARK in code:
-        return None
-    tensor = match[1] if (match := re.search(r"\b(\w+_ptr)\b", code)) else "its tensor"
-    return (
-        f"{_rel(path)}:{line}: masked tl.{kind} of {tensor} loses its mask on Ascend (discrete-mask pass):"
-        f" clamp or pad its addresses and mark the line '{IN_BOUNDS_MARK} <why>'  [{code.strip()}]"
-    )
-
-
-def static_buffer_bytes(mlir: str) -> int:
-    """Sum of the statically shaped buffers the lowered IR allocates: a rough UB indicator."""
-    total = 0
-    for shape in _STATIC_BUFFER.findall(mlir):
-        *dims, elem = shape.split("x")
-        bits = int(re.sub(r"\D", "", elem) or 8)
-        numel = 1
-        for dim in dims:
-            numel *= int(dim)
-        total += (numel * bits + 7) // 8
-    return total
-
-
-class _Aligned:
-    """A pointer argument at an address divisible by 16, as the runtime sees most tensors."""
-
-    @staticmethod
-    def data_ptr() -> int:
-        return 0
-
-
-# The specialisations the runtime applies to integer arguments not in ``do_not_specialize``.
-SPECIALISATIONS = {"divisible by 16": 16, "equal to 1": 1}
-
-
-def specialised(
-    fn: JITFunction, spec: KernelSpec, signature: dict[str, str], constexprs: dict[str, int], value: int
-) -> tuple[dict[str, int], Any]:
-    """(constexprs, attrs) of a launch whose pointers are aligned and whose ints are ``value`` (16 for
-    those the spec says are ``never_one``).
-
-    As ``JITFunction.run`` does: ints equal to 1 become constants, multiples of 16 get divisibility hints.
-    """
-
-    def arg(name: str) -> Any:
-        if signature[name].startswith("*"):
-            return _Aligned()
-        if signature[name][0] in "iu":
-            return 16 if name in spec.never_one else value
-        return 1.5
-
-    values = [constexprs[p.name] if p.is_constexpr else arg(p.name) for p in fn.params]
-    attrs = AscendAttrsDescriptor(fn.params, values)
-    ones = attrs.get_constants()
-    return {**constexprs, **{p.name: 1 for p in fn.params if p.num in ones}}, attrs
 
 
 def _variant(signature: dict[str, str]) -> str:
