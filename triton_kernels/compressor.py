@@ -319,7 +319,9 @@ def _token_rows(
     z = tl.load(gate_ptr + new_off, mask=new, other=0.0).to(tl.float32)
     z += tl.load(bgate_ptr + held_off, mask=held, other=0.0)
     if HAS_APE:
-        z += tl.load(ape_ptr + (tok % R)[:, None] * W + cols, mask=new | held, other=0.0)
+        # Ascend drops this mask: tokens before the first window (negative tok % R) read offset 0.
+        ape_off = tl.where(new | held, (tok % R)[:, None] * W + cols, 0)
+        z += tl.load(ape_ptr + ape_off, mask=new | held, other=0.0)  # in-bounds: offset clamped
     return x, z
 
 
@@ -392,7 +394,7 @@ def _pool_window(
     return acc / total
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _compress_kernel(
     kv_ptr,
     gate_ptr,
@@ -471,7 +473,7 @@ def _compress_kernel(
             tl.store(out_ptr + slot * C + c, y.to(out_ptr.dtype.element_ty), mask=c_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_req"])
 def _compress_state_kernel(
     kv_ptr,
     gate_ptr,

@@ -164,7 +164,7 @@ def _horner21(acc, limb, p):
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["S", "H"])
 def _engram_hash_kernel(
     cid_ptr,
     limb_ptr,
@@ -197,7 +197,8 @@ def _engram_hash_kernel(
         for s in tl.static_range(N_MAX):
             idx = H + pos - s
             # Before the start of cids reads as dead: both block this and every farther look-back.
-            c = tl.load(cid_ptr + idx, mask=pos_ok & (idx >= 0), other=-1)
+            inside = pos_ok & (idx >= 0)
+            c = tl.load(cid_ptr + tl.where(inside, idx, 0), mask=inside, other=-1)  # in-bounds: clamped
             blocked = blocked | (c < 0)
             limb = limb_ptr + (layer * N_MAX + s) * 3 * C + tl.where(blocked, pad, c)
             l0 = l0 ^ tl.load(limb, mask=pos_ok, other=0)
@@ -266,7 +267,7 @@ def engram_gather_ref(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return table.index_select(0, ids.reshape(-1).long()).view(*ids.shape, table.shape[1])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])
 def _engram_gather_kernel(table_ptr, ids_ptr, out_ptr, R, D, BLOCK_D: tl.constexpr):
     pid = tl.program_id(0)
     for task in range(pid, R, tl.num_programs(0)):

@@ -48,6 +48,7 @@ import triton
 import triton.language as tl
 
 from triton_kernels import runtime, topk, tuning
+from triton_kernels.safe_access import gather_rows
 from triton_kernels.spec import KernelSpec, TuneConfig
 from triton_kernels.topk import candidate_blocks_ref, check_candidate_geometry, check_k, check_tensor
 
@@ -275,14 +276,16 @@ def _score_keys(
     q, w, k_ptr, ks_ptr, table_row, block_size, pos, valid, D, QUANT: tl.constexpr, DP: tl.constexpr
 ):
     """Logits of the entries ``pos`` (``-inf`` where not ``valid``) gathered through the block table."""
-    slot = tl.load(table_row + pos // block_size, mask=valid, other=0) * block_size + pos % block_size
-    d = tl.arange(0, DP)
-    keys = tl.load(k_ptr + slot[:, None] * D + d[None, :], mask=valid[:, None] & (d[None, :] < D), other=0)
+    # Invalid lanes read table entry 0 and key slot 0 (Ascend drops these gathers' masks).
+    safe = tl.where(valid, pos, 0)
+    entry = tl.load(table_row + safe // block_size, mask=valid, other=0)  # in-bounds: invalid lanes at 0
+    slot = tl.where(valid, entry * block_size + safe % block_size, 0)
+    keys = gather_rows(k_ptr, slot, valid, tl.arange(0, DP), D, D == DP)
     if QUANT:
         # relu(qs * ks * dot) = qs * ks * relu(dot): both scales are >= 0.
         dots = tl.dot(q, tl.trans(keys), out_dtype=tl.int32).to(tl.float32)
         logits = tl.sum(tl.maximum(dots, 0.0) * w[:, None], axis=0)
-        logits = logits * tl.load(ks_ptr + slot, mask=valid, other=0.0)
+        logits = logits * tl.load(ks_ptr + slot, mask=valid, other=0.0)  # in-bounds: slot clamped
     else:
         # ieee: the tf32 default on GPUs would cost ~1e-3 relative error in the logits.
         dots = tl.dot(q, tl.trans(keys.to(tl.float32)), input_precision="ieee")
@@ -290,7 +293,7 @@ def _score_keys(
     return tl.where(valid, logits, float("-inf"))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _indexer_logits_kernel(
     q_ptr,
     qs_ptr,
@@ -323,7 +326,7 @@ def _indexer_logits_kernel(
         tl.store(out_ptr + t * width + pos, logits, mask=pos < width)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "n_cand"])
 def _indexer_topk_kernel(
     q_ptr,
     qs_ptr,

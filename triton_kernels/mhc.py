@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from triton_kernels import runtime, tuning
+from triton_kernels.safe_access import gather_rows
 from triton_kernels.spec import KernelSpec, TuneConfig
 
 _DTYPES = (torch.float32, torch.bfloat16)
@@ -177,7 +178,7 @@ def hc_update_ref(x: torch.Tensor, f: torch.Tensor, post: torch.Tensor, comb: to
     return (post[:, :, None] * f[:, None, :].float() + mixed).to(x.dtype)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _hc_mix_kernel(
     x_ptr,
     fn_ptr,
@@ -212,7 +213,8 @@ def _hc_mix_kernel(
         scale = tl.where(
             r == NP, s_pre, tl.where(r == NP + 1, tl.load(scale_ptr + 1), tl.load(scale_ptr + 2))
         )
-    base = tl.load(base_ptr + fn_row, mask=used, other=0.0)
+    fn_row = tl.where(used, fn_row, 0)  # unused slots read row 0 (Ascend drops these gathers' masks)
+    base = tl.load(base_ptr + fn_row, mask=used, other=0.0)  # in-bounds: unused slots read row 0
     r3 = tl.arange(0, R_PAD)[None, :, None]
     j3 = tl.arange(0, NP)[None, None, :]
     jj = tl.arange(0, NP)
@@ -228,9 +230,7 @@ def _hc_mix_kernel(
                 x_ptr + tok[:, None] * K + kk[None, :], mask=tok_ok[:, None] & k_ok[None, :], other=0.0
             )
             xv = xv.to(tl.float32)
-            w = tl.load(
-                fn_ptr + fn_row[:, None] * K + kk[None, :], mask=used[:, None] & k_ok[None, :], other=0.0
-            )
+            w = gather_rows(fn_ptr, fn_row, used, kk, K, k0 + BLOCK_K <= K)
             sq += xv * xv
             # ieee: the tf32 default on GPUs would cost ~1e-3 relative error in the mixes.
             acc = tl.dot(xv, tl.trans(w), acc, input_precision="ieee")
@@ -325,7 +325,7 @@ def hc_head_coeffs_triton(
     return pre
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _hc_collapse_kernel(x_ptr, pre_ptr, out_ptr, T, n, D, BLOCK_D: tl.constexpr):
     pid = tl.program_id(0)
     d_tiles = tl.cdiv(D, BLOCK_D)
@@ -350,7 +350,7 @@ def hc_collapse_triton(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _hc_update_kernel(
     x_ptr, f_ptr, post_ptr, comb_ptr, out_ptr, T, n, D, NP: tl.constexpr, BLOCK_D: tl.constexpr
 ):

@@ -50,7 +50,7 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * scale[..., None]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _quantize_int8_kernel(x_ptr, q_ptr, s_ptr, M, D, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr):
     ROWS: tl.constexpr = BLOCK // BLOCK_D
     cols = tl.arange(0, BLOCK_D)

@@ -60,7 +60,7 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> to
     return y.to(x.dtype)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _rms_norm_kernel(
     x_ptr,
     w_ptr,

@@ -41,6 +41,7 @@ import triton.language as tl
 from triton_kernels import runtime, tuning
 from triton_kernels.quant import dequantize_int8
 from triton_kernels.rope import apply_rope_ref
+from triton_kernels.safe_access import gather_rows
 from triton_kernels.spec import KernelSpec, TuneConfig
 
 MAX_HEADS = 128
@@ -193,7 +194,9 @@ def rotate_rows(x, pos, freq_ptr, nope, P, sign, DP: tl.constexpr):
     rows: tl.constexpr = x.shape[0]
     even, odd = tl.split(tl.reshape(x, [rows, DP // 2, 2]))
     i = tl.arange(0, DP // 2) - nope // 2
-    angle = pos * tl.load(freq_ptr + i, mask=(i >= 0) & (i < P), other=0.0)
+    turns = (i >= 0) & (i < P)
+    safe = tl.minimum(tl.maximum(i, 0), P - 1)
+    angle = pos * tl.load(freq_ptr + safe, mask=turns, other=0.0)  # in-bounds: index clamped to [0, P)
     cos = tl.cos(angle)[None, :]
     sin = (tl.sin(angle) * sign)[None, :]
     return tl.reshape(tl.join(even * cos - odd * sin, odd * cos + even * sin), [rows, DP])
@@ -227,7 +230,8 @@ def _attend(
         j = j0 + tl.arange(0, BLOCK_N)
         slot = tl.load(idx_ptr + j, mask=j < hi, other=-1)
         valid = slot >= 0
-        k = tl.load(kv_ptr + slot[:, None] * D + d[None, :], mask=valid[:, None] & (d[None, :] < D), other=0)
+        row = tl.where(valid, slot, 0)  # -1 slots read row 0
+        k = gather_rows(kv_ptr, row, valid, d, D, D == DP)
         if BF16_DOT:
             k = k.to(tl.bfloat16)
         else:
@@ -235,7 +239,7 @@ def _attend(
         # ieee: the tf32 default on GPUs would cost ~1e-3 relative error in fp32 attention.
         s = tl.dot(k, qt, input_precision="ieee") * scale
         if QUANT:  # K = V = int8 * per-slot scale: the scale multiplies scores and probabilities
-            ks = tl.load(ks_ptr + slot, mask=valid, other=0.0)
+            ks = tl.load(ks_ptr + row, mask=valid, other=0.0)  # in-bounds: -1 slots read row 0
             s = s * ks[:, None]
         s = tl.where(valid[:, None], s, _NEG)
         m_new = tl.maximum(m, tl.max(s, axis=0))
@@ -260,7 +264,7 @@ def _finish(acc, m, total, sink):
     return out, lse
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "K0", "K1"])
 def _sparse_attn_kernel(
     q_ptr,
     kv0_ptr,
@@ -362,7 +366,7 @@ def _sparse_attn_kernel(
             tl.store(part_ml_ptr + 2 * part + 1, total, mask=h_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _merge_kernel(
     part_ptr,
     part_ml_ptr,
@@ -463,7 +467,10 @@ def _pool_operands(pools: Sequence[KVPool], sink: torch.Tensor) -> tuple[tuple[t
     ops = []
     for pool in pools:
         scale = sink if pool.scale is None else pool.scale.contiguous()  # never read for float pools
-        ops.append((pool.kv.contiguous(), scale, pool.indices.to(torch.int32).contiguous()))
+        idx = pool.indices.to(torch.int32)
+        # An empty pool has only -1 slots: it is given none, as the kernel reads row 0 for -1 slots.
+        idx = idx[:, :0] if pool.kv.shape[0] == 0 else idx
+        ops.append((pool.kv.contiguous(), scale, idx.contiguous()))
     if len(ops) == 1:
         kv, scale, idx = ops[0]
         ops.append((kv, scale, idx[:, :0].contiguous()))
@@ -474,7 +481,7 @@ def _pad(d: int) -> int:
     return max(16, triton.next_power_of_2(d))
 
 
-# Footprints at D = 512 (IR sums up to 186 KiB for fp32 prefill): the transposed query and the
+# Footprints at D = 512 (IR sums up to 182.5 KiB for fp32 prefill): the transposed query and the
 # accumulator [BLOCK_H, DP] fp32, a [BLOCK_N, DP] fp32 key tile per pool loop (both counted, one is live),
 # score, probability and mask tiles [BLOCK_N, BLOCK_H]; the prefill epilogue adds the rotation's even,
 # odd and joined halves. Larger tiles do not fit the unified buffer at D = 512, even single-buffered.

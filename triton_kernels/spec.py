@@ -12,6 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+# Ends the source line of a masked load/store whose addresses are valid for every lane, masked or not
+# (indices clamped, operands padded): Ascend's discrete-mask pass may turn it into an unmasked access.
+# The Ascend gate fails on such an access without it; the interpreter tests check every lane of it.
+IN_BOUNDS_MARK = "# in-bounds:"
+
 
 @dataclass(frozen=True)
 class TuneConfig:
@@ -39,7 +44,10 @@ class KernelSpec:
     one entry per dtype variant the op launches. ``constexprs`` fixes constexpr parameters
     that are not tuned (e.g. a head dim) to representative model values. ``uses_cube`` is
     True for kernels with ``tl.dot``: they launch one program per AI core (cube + vector,
-    Ascend ``mix`` mode); the others launch one per vector core (``aiv``).
+    Ascend ``mix`` mode); the others launch one per vector core (``aiv``). The runtime specialises
+    integer arguments equal to 1 or divisible by 16 unless the kernel lists them in
+    ``do_not_specialize`` (batch sizes and counts do, so each batch size does not compile again);
+    the gate lowers each kernel once with each hint.
     """
 
     kernel: Any
@@ -47,6 +55,8 @@ class KernelSpec:
     configs: tuple[TuneConfig, ...]
     constexprs: dict[str, int] = field(default_factory=dict)
     uses_cube: bool = False
+    # Integer arguments no valid launch passes as 1: the gate's "equal to 1" sweep leaves them at 16.
+    never_one: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:

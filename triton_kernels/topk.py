@@ -188,14 +188,19 @@ def _select_row(src, n, k, out, pos_map, MAP_BLOCK: tl.constexpr, BLOCK_S: tl.co
         tie_rank = ties + tl.cumsum(tie.to(tl.int32), axis=0) - 1
         sel = live & ((key > thr) | (tie & (tie_rank < need)))
         picked = tl.sum(sel.to(tl.int32))
-        # The scattered store lowers to a per-lane loop on Ascend: most tiles of a long row pick nothing.
+        # Most tiles of a long row pick nothing. A picking tile stores densely: slot taken + q gets the q-th
+        # selected lane (an fp32 sort of the lane ids puts them first). A scattered masked store would
+        # become a read-modify-write of every lane on Ascend, racing with the lanes that share its slot.
         if picked > 0:
-            dst = taken + tl.cumsum(sel.to(tl.int32), axis=0) - 1
+            q_ok = offs < picked
+            lane = tl.sort(tl.where(sel, offs, BLOCK_S).to(tl.float32)).to(tl.int32)
+            chosen = i0 + tl.where(q_ok, lane, 0)  # a live position for every lane
             if MAP_BLOCK > 0:
-                pos = tl.load(pos_map + i // MAP_BLOCK, mask=sel, other=0) * MAP_BLOCK + i % MAP_BLOCK
+                block = tl.load(pos_map + chosen // MAP_BLOCK, mask=q_ok, other=0)  # in-bounds: chosen < n
+                pos = block * MAP_BLOCK + chosen % MAP_BLOCK
             else:
-                pos = i
-            tl.store(out + dst, pos, mask=sel)
+                pos = chosen
+            tl.store(out + taken + offs, pos, mask=q_ok)
         taken += picked
         ties += tl.sum(tie.to(tl.int32))
     for j0 in range(0, k, BLOCK_S):
@@ -208,21 +213,22 @@ def _block_maxima(row, visible, dst, CAND_BLOCK: tl.constexpr, BLOCK_S: tl.const
     """``dst[b]`` = max of ``row`` over the visible positions of block ``b``; the newest block ``+inf``."""
     BLOCKS: tl.constexpr = BLOCK_S // CAND_BLOCK
     n_blocks = tl.cdiv(visible, CAND_BLOCK)
-    inner = tl.arange(0, CAND_BLOCK)
     for b0 in range(0, n_blocks, BLOCKS):
         b = b0 + tl.arange(0, BLOCKS)
-        p = b[:, None] * CAND_BLOCK + inner[None, :]
-        m = tl.max(tl.load(row + p, mask=p < visible, other=float("-inf")), axis=1)
+        # One 1-D load per tile: a [BLOCKS, CAND_BLOCK] mask `p < visible` is no rectangle for Ascend.
+        p = b0 * CAND_BLOCK + tl.arange(0, BLOCK_S)
+        tile = tl.reshape(tl.load(row + p, mask=p < visible, other=float("-inf")), [BLOCKS, CAND_BLOCK])
+        m = tl.max(tile, axis=1)
         tl.store(dst + b, tl.where(b == n_blocks - 1, float("inf"), m), mask=b < n_blocks)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _topk_kernel(s_ptr, out_ptr, T, N, stride_s, K, BLOCK_S: tl.constexpr):
     for t in range(tl.program_id(0), T, tl.num_programs(0)):
         _select_row(s_ptr + t * stride_s, N, K, out_ptr + t * K, s_ptr, 0, BLOCK_S)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _candidate_kernel(
     s_ptr,
     vis_ptr,

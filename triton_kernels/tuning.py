@@ -23,12 +23,13 @@ A bucket is the launch's key arguments, each rounded up to a power of two: ``"H=
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import os
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +80,35 @@ class Launch:
     kernel: TunedKernel
     bucket: str
     config: TuneConfig
+    # Triton types of the non-constexpr arguments ("*bf16", "i32") and the constexpr values (the
+    # config's included), as a compiler sees the launch: the Ascend gate lowers what was launched.
+    signature: dict[str, str] = field(default_factory=dict)
+    constexprs: dict[str, int] = field(default_factory=dict)
+
+
+_TORCH_TYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "int8": "i8", "uint8": "u8"}
+_TORCH_TYPES.update({"int32": "i32", "int64": "i64", "bool": "i1"})
+
+
+def _triton_type(value: Any) -> str:
+    if hasattr(value, "data_ptr"):
+        return "*" + _TORCH_TYPES[str(value.dtype).removeprefix("torch.")]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -(2**31) <= value < 2**31 else "i64"
+    return "fp32"
+
+
+def _as_compiled(kernel: Any, named: dict[str, Any]) -> tuple[dict[str, str], dict[str, int]]:
+    """(signature, constexprs) of a launch, in the kernel's parameter order."""
+    signature, constexprs = {}, {}
+    for param in inspect.signature(kernel.fn).parameters.values():
+        if "constexpr" in str(param.annotation):
+            constexprs[param.name] = int(named[param.name])
+        else:
+            signature[param.name] = _triton_type(named[param.name])
+    return signature, constexprs
 
 
 class TunedKernel:
@@ -114,7 +144,9 @@ class TunedKernel:
         config = self._forced or self.choose(bucket)
         self.last_config = config
         if _recording is not None:
-            _recording.append(Launch(self, bucket, config))
+            _recording.append(
+                Launch(self, bucket, config, *_as_compiled(self.kernel, {**named, **config.params}))
+            )
         options = {"multibuffer": config.multibuffer} if runtime.backend() == "npu" else {}
         return self.kernel[grid](*args, **kwargs, **config.params, **options)
 

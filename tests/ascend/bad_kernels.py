@@ -52,6 +52,16 @@ def cube_as_vector_kernel(a_ptr, c_ptr, BLOCK: tl.constexpr):  # gate: mix_mode=
     tl.store(c_ptr + r[:, None] * BLOCK + r[None, :], tl.dot(a, a))
 
 
+# A gather whose mask Ascend drops (not a rectangle), with -1 indices used as addresses: lanes read
+# before the tensor. It lowers fine; the dropped-mask lint must name it.
+@triton.jit
+def unclamped_gather_kernel(x_ptr, idx_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    slot = tl.load(idx_ptr + offs, mask=offs < n, other=-1)
+    y = tl.load(x_ptr + slot, mask=slot >= 0, other=0.0)  # gate: loses its mask on Ascend
+    tl.store(y_ptr + offs, y, mask=offs < n)
+
+
 # In no KernelSpec: nothing would ever lower it.
 @triton.jit
 def undeclared_kernel(x_ptr, BLOCK: tl.constexpr):  # gate: in no KernelSpec
@@ -64,6 +74,11 @@ KERNELS: tuple[KernelSpec, ...] = (
     KernelSpec(
         pointer_select_kernel,
         signatures=({"a_ptr": "*fp32", "b_ptr": "*fp32", "y_ptr": "*fp32", "n": "i32", "use_a": "i32"},),
+        configs=_CONFIG,
+    ),
+    KernelSpec(
+        unclamped_gather_kernel,
+        signatures=({"x_ptr": "*fp32", "idx_ptr": "*i32", "y_ptr": "*fp32", "n": "i32"},),
         configs=_CONFIG,
     ),
     KernelSpec(
