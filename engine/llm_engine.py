@@ -65,6 +65,7 @@ class LLMEngine:
             self.cache, config.max_num_seqs, config.max_num_batched_tokens, self.lookahead
         )
         self.requests: dict[str, Request] = {}
+        self.step_tokens = 0  # tokens the last step computed
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._arrivals = 0
 
@@ -115,6 +116,7 @@ class LLMEngine:
     def step(self) -> list[Request]:
         """Run one step; return the requests that produced tokens or finished in it."""
         chunks = self.scheduler.schedule()
+        self.step_tokens = sum(chunk.length for chunk in chunks)
         if not chunks:
             return []
         out = self.runner.run(chunks)

@@ -130,6 +130,7 @@ class Request:
     logits_processor: LogitsProcessor | None = None  # applied after the penalties, before sampling
     proposal: Proposal | None = None  # drafts to verify in the next step (speculative decoding)
     error: str | None = None  # why it finished with FinishReason.ERROR
+    scheduled_at: float | None = None  # time.monotonic() when first scheduled (queue time for metrics)
 
     @property
     def tokens(self) -> list[int]:

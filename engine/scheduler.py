@@ -9,6 +9,7 @@ so the oldest always progresses.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -80,6 +81,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             request.status = Status.RUNNING
+            if request.scheduled_at is None:
+                request.scheduled_at = time.monotonic()
             self.running.append(request)
             chunks.append(chunk)
             budget -= chunk.length

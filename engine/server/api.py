@@ -101,7 +101,7 @@ class OpenAIServer:
         self.tokenizer = engine.tokenizer
         self.cfg = engine.model.cfg
         self.chat = chat or select_chat_profile(self.cfg.model_type, root or None)  # the chat encoding
-        self.metrics = Metrics(names[0])
+        self.metrics = Metrics(names[0], engine.config.max_model_len, engine.proposer is not None)
         self.core = AsyncEngine(engine, self.metrics, max_waiting)
         self.workers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="request")
         self.grammars = Grammars(self.tokenizer, self.cfg.vocab_size, self.cfg.eos_token_id)

@@ -57,6 +57,7 @@ class _Sequence:
     arrival: float
     sent: int = 0
     first_token_at: float | None = None
+    last_token_at: float = 0.0
 
 
 @dataclass
@@ -87,9 +88,11 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         # Read when scraped, so the gauges move as soon as requests are admitted or scheduled, also
         # while a long step runs.
-        scheduler = engine.scheduler
+        scheduler, cache = engine.scheduler, engine.cache
         metrics.running.set_function(lambda: len(scheduler.running))
         metrics.waiting.set_function(lambda: max(0, self._admitted - len(scheduler.running)))
+        metrics.kv_usage.set_function(cache.usage_ratio)
+        metrics.describe_cache(cache.block_size, cache.num_blocks)
 
     def start(self) -> None:
         self._thread.start()
@@ -132,9 +135,12 @@ class AsyncEngine:
                     self._drop(request.id)
                 raise
             now = time.monotonic()
+            self.metrics.params_n.observe(len(added))
             for i, request in enumerate(added):
                 self._live[request.id] = _Sequence(i, sink, now)
                 self.metrics.prompt_tokens.inc(len(request.prompt))
+                self.metrics.request_prompt_tokens.observe(len(request.prompt))
+                self.metrics.params_max_tokens.observe(request.params.max_tokens)
 
         try:
             await asyncio.wrap_future(self._call(add_all))
@@ -255,6 +261,11 @@ class AsyncEngine:
         if tokens and sequence.first_token_at is None:
             sequence.first_token_at = now
             self.metrics.ttft.observe(now - sequence.arrival)
+        elif tokens:
+            for _ in tokens:  # a step's tokens share its latency
+                self.metrics.itl.observe((now - sequence.last_token_at) / len(tokens))
+        if tokens:
+            sequence.last_token_at = now
         self.metrics.generation_tokens.inc(len(tokens))
         sequence.sent = len(request.output)
         if not request.finished:
@@ -268,12 +279,22 @@ class AsyncEngine:
             self.metrics.finished("error")
             sequence.sink(Update(sequence.index, [], [], "", "error", request.error, 400))
             return
-        n = len(completion.token_ids)
-        if n > 1 and sequence.first_token_at is not None:
-            self.metrics.tpot.observe((now - sequence.first_token_at) / (n - 1))
-        self.metrics.e2e.observe(now - sequence.arrival)
+        self._observe_finish(sequence, request, len(completion.token_ids), now)
         self.metrics.finished(completion.finish_reason)
         sequence.sink(Update(sequence.index, tokens, logprobs, completion.text, completion.finish_reason))
+
+    def _observe_finish(self, sequence: _Sequence, request: Request, generated: int, now: float) -> None:
+        metrics, first = self.metrics, sequence.first_token_at
+        metrics.request_generation_tokens.observe(generated)
+        metrics.e2e.observe(now - sequence.arrival)
+        if generated > 1 and first is not None:
+            metrics.tpot.observe((now - first) / (generated - 1))
+        if request.scheduled_at is not None:
+            metrics.queue_time.observe(max(0.0, request.scheduled_at - sequence.arrival))
+            metrics.inference_time.observe(now - request.scheduled_at)
+            if first is not None:
+                metrics.prefill_time.observe(max(0.0, first - request.scheduled_at))
+                metrics.decode_time.observe(now - first)
 
     def _fail_all(self, message: str, status: int) -> None:
         for rid, sequence in list(self._live.items()):
@@ -298,7 +319,6 @@ class AsyncEngine:
             sequence.sink(Update(sequence.index, [], [], "", "error", "the engine stopped", 503))
 
     def _observe(self) -> None:
-        scheduler, cache = self.engine.scheduler, self.engine.cache
-        self.metrics.observe_engine(cache.usage(), cache.num_blocks, scheduler.preemptions)
-        if self.engine.proposer is not None:
-            self.metrics.observe_spec_decode(self.engine.spec_stats)
+        self.metrics.observe_engine(self.engine.scheduler.preemptions, self.engine.step_tokens)
+        self.engine.step_tokens = 0
+        self.metrics.observe_spec_decode(self.engine.spec_stats)

@@ -44,7 +44,7 @@ async def finals(group: Group, timeout: float = 60) -> list[Update]:
 
 
 def gauge(core: AsyncEngine, name: str) -> float:
-    return core.metrics.registry.get_sample_value(name, {"model_name": "tiny"})
+    return core.metrics.registry.get_sample_value(name, {"model_name": "tiny", "engine": "0"})
 
 
 class Gate:
@@ -91,13 +91,13 @@ def test_gauges_follow_admission_while_a_step_runs(parts):
             first = await core.add("a", seqs(1))
             await asyncio.to_thread(gate.entered.wait, 30)  # the engine thread is now inside a step
             second = await core.add("b", seqs(2))
-            assert gauge(core, "deepseek_requests_running") == 1
-            assert gauge(core, "deepseek_requests_waiting") == 2  # admitted, not yet scheduled
+            assert gauge(core, "vllm:num_requests_running") == 1
+            assert gauge(core, "vllm:num_requests_waiting") == 2  # admitted, not yet scheduled
             gate.open.set()
             await finals(first)
             await finals(second)
-            assert gauge(core, "deepseek_requests_running") == 0
-            assert gauge(core, "deepseek_requests_waiting") == 0
+            assert gauge(core, "vllm:num_requests_running") == 0
+            assert gauge(core, "vllm:num_requests_waiting") == 0
         finally:
             gate.open.set()
             core.stop()

@@ -37,7 +37,7 @@ class Served:
         return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120)
 
     def metrics(self) -> dict[str, float]:
-        """Samples of /metrics by name and labels, e.g. 'deepseek_requests_running{model_name="tiny"}'."""
+        """Samples of /metrics by name and labels, e.g. 'vllm:num_requests_running{model_name="tiny"}'."""
         lines = httpx.get(f"{self.url}/metrics", timeout=30).text.splitlines()
         samples = (line.rsplit(" ", 1) for line in lines if line and not line.startswith("#"))
         return {name: float(value) for name, value in samples}
@@ -58,9 +58,9 @@ class Served:
             busy = [
                 self.metric(m)
                 for m in (
-                    "deepseek_requests_running",
-                    "deepseek_requests_waiting",
-                    "deepseek_kv_cache_usage_ratio",
+                    "vllm:num_requests_running",
+                    "vllm:num_requests_waiting",
+                    "vllm:kv_cache_usage_perc",
                 )
             ]
             if not any(busy):

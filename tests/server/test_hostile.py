@@ -366,7 +366,7 @@ def five_hundreds(server: Served) -> float:
     return sum(
         v
         for k, v in server.metrics().items()
-        if k.startswith("deepseek_http_requests_total") and 'status="5' in k
+        if k.startswith("deepseek:http_requests_total") and 'status="5' in k
     )
 
 
@@ -473,10 +473,10 @@ def test_transport_faults_are_never_5xx(watched: Served, data: bytes):
 
 
 def test_a_client_gone_while_sending_counts_as_499(watched: Served):
-    before = watched.metric("deepseek_http_requests_total", endpoint=CHAT, status="499")
+    before = watched.metric("deepseek:http_requests_total", endpoint=CHAT, status="499")
     _raw_http(watched, _request_head(CHAT, "Content-Length: 5000\r\n") + b'{"messages": [')
     deadline = time.monotonic() + 10
-    while watched.metric("deepseek_http_requests_total", endpoint=CHAT, status="499") == before:
+    while watched.metric("deepseek:http_requests_total", endpoint=CHAT, status="499") == before:
         assert time.monotonic() < deadline, "the disconnect was not counted"
         time.sleep(0.05)
 

@@ -47,12 +47,12 @@ def test_64_concurrent_streams_complete_and_are_counted(server: Served):
         return server.metric(name, **labels)
 
     before = {
-        "ok": count("deepseek_http_requests_total", endpoint="/v1/chat/completions", status="200"),
-        "length": count("deepseek_requests_finished_total", finish_reason="length"),
-        "generated": count("deepseek_generation_tokens_total"),
-        "ttft": count("deepseek_time_to_first_token_seconds_count"),
-        "e2e": count("deepseek_e2e_request_latency_seconds_count"),
-        "drafted": count("deepseek_spec_decode_draft_tokens_total"),
+        "ok": count("deepseek:http_requests_total", endpoint="/v1/chat/completions", status="200"),
+        "length": count("vllm:request_success_total", finished_reason="length"),
+        "generated": count("vllm:generation_tokens_total"),
+        "ttft": count("vllm:time_to_first_token_seconds_count"),
+        "e2e": count("vllm:e2e_request_latency_seconds_count"),
+        "drafted": count("vllm:spec_decode_num_draft_tokens_total"),
     }
     start = time.monotonic()
     results = asyncio.run(load(server.url))
@@ -60,20 +60,20 @@ def test_64_concurrent_streams_complete_and_are_counted(server: Served):
     assert [(finish, n) for _, finish, n in results] == [("length", MAX_TOKENS)] * CONCURRENCY
     assert all(text for text, _, _ in results)
     assert (
-        count("deepseek_http_requests_total", endpoint="/v1/chat/completions", status="200")
+        count("deepseek:http_requests_total", endpoint="/v1/chat/completions", status="200")
         == before["ok"] + 64
     )
-    assert count("deepseek_requests_finished_total", finish_reason="length") == before["length"] + 64
-    assert count("deepseek_generation_tokens_total") == before["generated"] + 64 * MAX_TOKENS
-    assert count("deepseek_time_to_first_token_seconds_count") == before["ttft"] + 64
-    assert count("deepseek_e2e_request_latency_seconds_count") == before["e2e"] + 64
+    assert count("vllm:request_success_total", finished_reason="length") == before["length"] + 64
+    assert count("vllm:generation_tokens_total") == before["generated"] + 64 * MAX_TOKENS
+    assert count("vllm:time_to_first_token_seconds_count") == before["ttft"] + 64
+    assert count("vllm:e2e_request_latency_seconds_count") == before["e2e"] + 64
     server.wait_idle()
     # Every request decodes 3 tokens after its first, each step verifying up to 2 DSpark drafts.
-    assert count("deepseek_spec_decode_draft_tokens_total") >= before["drafted"] + 64 * 2
-    accepted = count("deepseek_spec_decode_accepted_tokens_total")
-    assert 0 <= accepted <= count("deepseek_spec_decode_draft_tokens_total")
-    assert count("deepseek_spec_decode_mean_accepted_length") >= 1.0
-    assert 0 <= count("deepseek_spec_decode_acceptance_rate", position="0") <= 1
+    assert count("vllm:spec_decode_num_draft_tokens_total") >= before["drafted"] + 64 * 2
+    accepted = count("vllm:spec_decode_num_accepted_tokens_total")
+    assert 0 <= accepted <= count("vllm:spec_decode_num_draft_tokens_total")
+    assert count("vllm:spec_decode_num_drafts_total") >= 64  # each request verified at least once
+    assert 0 <= count("vllm:spec_decode_num_accepted_tokens_per_pos_total", position="0") <= accepted
     print(f"64 concurrent streams of {MAX_TOKENS} tokens: {elapsed:.1f} s")
 
 
@@ -123,9 +123,9 @@ def test_64_concurrent_mixed_requests_complete_and_the_cache_empties(server: Ser
         async with httpx.AsyncClient(base_url=server.url, headers=headers, timeout=300) as client:
             return await asyncio.gather(*(mixed_one(client, i) for i in range(64)))
 
-    errors = server.metric("deepseek_requests_finished_total", finish_reason="error")
+    errors = server.metric("vllm:request_success_total", finished_reason="error")
     results = asyncio.run(load())
     assert all(results) and all(f in ("stop", "length") for r in results for f in r), results
     assert [len(r) for r in results] == [2 if i % 4 == 1 else 1 for i in range(64)]
-    assert server.metric("deepseek_requests_finished_total", finish_reason="error") == errors
+    assert server.metric("vllm:request_success_total", finished_reason="error") == errors
     server.wait_idle()

@@ -228,7 +228,7 @@ def test_thinking_mode_splits_reasoning_from_content(server: Served):
 
 def test_disconnect_aborts_and_frees_the_cache(server: Served):
     def aborted() -> float:
-        return server.metric("deepseek_requests_finished_total", finish_reason="abort")
+        return server.metric("vllm:request_success_total", finished_reason="abort")
 
     def wait_for_abort(before: float) -> None:
         deadline = time.monotonic() + 10
