@@ -270,16 +270,24 @@ class OpenAIServer:
             work.cancel()
             self.core.abort(group)
 
-    def stream(self, group: Group, chunks: AsyncIterator[str]) -> StreamingResponse:
+    def stream(
+        self,
+        group: Group,
+        chunks: AsyncIterator[str],
+        error_event: Callable[[APIError], str] = lambda err: sse(err.body()),
+        end: str = "data: [DONE]\n\n",
+    ) -> StreamingResponse:
+        """`chunks` as server-sent events; an error ends the stream with `error_event`, then `end`."""
+
         async def body() -> AsyncIterator[str]:
             try:
                 async for chunk in chunks:
                     yield chunk
             except APIError as err:
-                yield sse(err.body())
+                yield error_event(err)
             finally:  # also when the client disconnected and the response task was cancelled
                 self.core.abort(group)
-            yield "data: [DONE]\n\n"
+            yield end
 
         return StreamingResponse(body(), media_type="text/event-stream")
 
@@ -410,18 +418,20 @@ class OpenAIServer:
             raise APIError(str(err), param="tokens") from None
         return JSONResponse({"prompt": text})
 
+    def model_card(self, name: str) -> dict[str, Any]:
+        limit = self.engine.config.max_model_len
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "deepseek-ascend",
+                "root": self.root, "parent": None, "max_model_len": limit}  # fmt: skip
+
     async def models(self, request: Request) -> Response:
         self.authorize(request)
         self.check_accepting()
-        data = [
-            {
-                "id": name,
-                "object": "model",
-                "created": self.created,
-                "owned_by": "deepseek-ascend",
-                "root": self.root,
-                "max_model_len": self.engine.config.max_model_len,
-            }
-            for name in self.names
-        ]
-        return JSONResponse({"object": "list", "data": data})
+        return JSONResponse({"object": "list", "data": [self.model_card(name) for name in self.names]})
+
+    async def model(self, request: Request) -> Response:
+        """`GET /v1/models/{id}`: one served name's card, 404 for any other."""
+        self.authorize(request)
+        name = request.path_params["model_id"]
+        if name not in self.names:
+            raise APIError(f"the model {name!r} does not exist", 404, param="model", code="model_not_found")
+        return JSONResponse(self.model_card(name))

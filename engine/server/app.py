@@ -10,6 +10,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from importlib.metadata import version as package_version
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -21,11 +22,12 @@ from engine.server.api import OpenAIServer
 from engine.server.chat import chat_completions
 from engine.server.metrics import Metrics
 from engine.server.protocol import APIError
+from engine.server.responses import responses
 
 log = logging.getLogger(__name__)
 
 ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/health",
-             "/metrics")  # fmt: skip
+             "/metrics", "/ping", "/version", "/v1/responses")  # fmt: skip
 
 
 class HTTPMetrics:
@@ -95,6 +97,7 @@ def build_app(
 
     app = FastAPI(title="deepseek-ascend", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.add_api_route("/v1/models", server.models, methods=["GET"])
+    app.add_api_route("/v1/models/{model_id:path}", server.model, methods=["GET"])
     app.add_api_route("/v1/completions", server.completions, methods=["POST"])
     app.add_api_route("/tokenize", server.tokenize, methods=["POST"])
     app.add_api_route("/detokenize", server.detokenize, methods=["POST"])
@@ -103,9 +106,21 @@ def build_app(
     async def chat(request: Request) -> Response:
         return await chat_completions(server, request)
 
+    @app.post("/v1/responses")
+    async def respond(request: Request) -> Response:
+        return await responses(server, request)
+
     @app.get("/health")
     async def health() -> Response:
         return Response(status_code=200 if server.core.alive and server.core.accepting else 503)
+
+    @app.api_route("/ping", methods=["GET", "POST"])  # vLLM's (and SageMaker's) liveness route
+    async def ping() -> Response:
+        return await health()
+
+    @app.get("/version")
+    async def version() -> Response:
+        return JSONResponse({"version": package_version("deepseek-ascend")})
 
     @app.get("/metrics")
     async def metrics() -> Response:

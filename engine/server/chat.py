@@ -8,6 +8,7 @@ at once), so the concatenated stream is the non-streamed message. `response_form
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
@@ -15,7 +16,7 @@ from fastapi.responses import JSONResponse, Response
 
 from engine.grammar import GrammarError
 from engine.server.api import OpenAIServer, Seq, sse
-from engine.server.async_engine import Update
+from engine.server.async_engine import Group, Update
 from engine.server.output import ChatChoice
 from engine.server.protocol import APIError, ChatCompletionRequest
 from model.chat_parse import StreamDelta
@@ -32,8 +33,18 @@ def _delta(d: StreamDelta) -> dict[str, Any]:
     return out
 
 
-async def chat_completions(server: OpenAIServer, request: Request) -> Response:
-    body = await server.parse(request, ChatCompletionRequest)
+@dataclass
+class ChatRun:
+    """A chat request admitted to the engine: its group, prompt and one ChatChoice per sequence."""
+
+    group: Group
+    prompt: list[int]
+    choices: list[ChatChoice]
+    top: int | None  # top logprobs per token, None: no logprobs
+
+
+async def start_chat(server: OpenAIServer, body: ChatCompletionRequest, prefix: str = "chatcmpl") -> ChatRun:
+    """Encode, tokenise, build the grammar and submit: what /v1/chat/completions and /v1/responses share."""
     body.check()
     mode, named = body.tool_mode()
     schema = body.json_schema()
@@ -60,8 +71,15 @@ async def chat_completions(server: OpenAIServer, request: Request) -> Response:
         for i in range(body.n)
     ]
     limit_param = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
-    group = await server.submit("chatcmpl", seqs, "messages", limit_param)
+    group = await server.submit(prefix, seqs, "messages", limit_param)
     choices = [ChatChoice(params.stop, body.thinking, mode != "none", server.chat) for _, params, _ in seqs]
+    return ChatRun(group, prompt, choices, top)
+
+
+async def chat_completions(server: OpenAIServer, request: Request) -> Response:
+    body = await server.parse(request, ChatCompletionRequest)
+    run = await start_chat(server, body)
+    group, prompt, choices, top = run.group, run.prompt, run.choices, run.top
     base = {"id": group.ids[0].rsplit("-", 1)[0], "object": "chat.completion", "created": group.created,
             "model": body.model or server.names[0]}  # fmt: skip
 
@@ -93,7 +111,7 @@ async def chat_completions(server: OpenAIServer, request: Request) -> Response:
         return sse({**base, "choices": [choice], **({"usage": None} if include_usage else {})})
 
     async def chunks() -> AsyncIterator[str]:
-        for i in range(len(seqs)):
+        for i in range(len(choices)):
             yield chunk(i, {"role": "assistant", "content": ""})
         generated = 0
         async for u in server.updates(group):

@@ -344,3 +344,65 @@ class TokenizeRequest(_ChatTemplate):
 class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[int]
+
+
+class ResponsesReasoning(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+
+    effort: str | None = None
+
+
+class ResponsesRequest(_Body):
+    """OpenAI's `POST /v1/responses`, for text in and out: `input` as text or messages, `instructions` as
+    the system message; tools and structured text formats are not implemented (a 400 naming them)."""
+
+    model: str | None = None
+    input: str | list[Any]
+    instructions: str | None = None
+    max_output_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
+    top_p: Annotated[float, Field(ge=FLOAT32_TINY, le=1.0)] = 1.0
+    reasoning: ResponsesReasoning | None = None
+    stream: bool = False
+    tools: list[Any] | None = None
+    text: dict[str, Any] | None = None
+
+    def chat_request(self) -> ChatCompletionRequest:
+        """The same request as chat: what the engine runs."""
+        if self.tools:
+            raise APIError("tools are not supported here: use /v1/chat/completions", param="tools")
+        text_format = (self.text or {}).get("format") or {"type": "text"}
+        if not isinstance(text_format, dict) or text_format.get("type") != "text":
+            raise APIError("text.format: only text is supported", param="text.format")
+        messages = [{"role": "system", "content": self.instructions}] if self.instructions else []
+        items = [{"role": "user", "content": self.input}] if isinstance(self.input, str) else self.input
+        for k, item in enumerate(items):
+            if not isinstance(item, dict) or item.get("type", "message") != "message" or "role" not in item:
+                where = f"input.{k}"
+                raise APIError(f"{where}: only messages (role and content) are supported", param=where)
+            messages.append({"role": item["role"], "content": _input_text(item.get("content"), f"input.{k}")})
+        chat: dict[str, Any] = {"model": self.model, "messages": messages, "temperature": self.temperature,
+                                "top_p": self.top_p, "max_tokens": self.max_output_tokens}  # fmt: skip
+        if self.reasoning is not None and self.reasoning.effort is not None:
+            chat["reasoning_effort"] = self.reasoning.effort
+        try:
+            return ChatCompletionRequest.model_validate(chat)
+        except ValidationError as err:
+            raise validation_error(err) from None
+
+
+def _input_text(content: Any, where: str) -> str:
+    """A Responses message's content: text, or a list of input_text / output_text parts."""
+    if isinstance(content, str):
+        return content
+
+    def is_text(part: Any) -> bool:
+        return (
+            isinstance(part, dict)
+            and part.get("type") in ("input_text", "output_text")
+            and isinstance(part.get("text"), str)
+        )
+
+    if isinstance(content, list) and all(is_text(p) for p in content):
+        return "".join(p["text"] for p in content)
+    raise APIError(f"{where}.content: text or input_text parts only", param=f"{where}.content")

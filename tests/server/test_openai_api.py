@@ -286,3 +286,13 @@ def test_the_tiny_v41_renders_with_the_v41_encoding(server: Served):
                 {"reasoning_effort": "none", **thinking_on}):  # fmt: skip
         reply = server.http().post("/tokenize", json={"messages": messages, **bad})
         assert reply.status_code == 400 and reply.json()["error"]["param"] == "reasoning_effort"
+
+
+def test_version_ping_and_one_model(server: Served):
+    http = server.http()
+    assert http.get("/version").json()["version"]
+    assert http.get("/ping").status_code == 200 and http.post("/ping").status_code == 200
+    card = http.get("/v1/models/other").json()
+    assert card["id"] == "other" and card["object"] == "model"
+    missing = http.get("/v1/models/nope")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"

@@ -102,3 +102,15 @@ def test_neutral_values_of_unsupported_fields_are_accepted(server: Served):
     body = {"model": MODEL, "messages": [USER], "max_tokens": 2, "use_beam_search": False, "echo": False,
             "include_stop_str_in_output": False, "length_penalty": 1.0}  # fmt: skip
     assert server.http().post("/v1/chat/completions", json=body).status_code == 200
+
+
+def test_generation_config_defaults_fill_only_the_unset_fields():
+    from engine.server.protocol import ChatCompletionRequest
+
+    defaults = {"temperature": 0.3, "top_p": 0.8, "top_k": 20}
+    unset = ChatCompletionRequest.model_validate({"messages": [USER]})
+    params = unset.sampling_params(4, None, 0, defaults)
+    assert (params.temperature, params.top_p, params.top_k) == (0.3, 0.8, 20)
+    given = ChatCompletionRequest.model_validate({"messages": [USER], "temperature": 1.0, "top_k": -1})
+    params = given.sampling_params(4, None, 0, defaults)
+    assert (params.temperature, params.top_p, params.top_k) == (1.0, 0.8, 0)

@@ -1,0 +1,66 @@
+"""The command line reads vLLM's serve flags: the same names and meanings, and clear errors for values
+the project does not support."""
+
+from __future__ import annotations
+
+import shlex
+
+import pytest
+
+from engine.server.args import parse_args, parse_count
+
+
+def test_vllm_forms_of_the_flags():
+    line = (
+        """/ckpt/V4 --speculative-config '{"method": "deepseek_mtp", "num_speculative_tokens": 1}' """
+        "--tokenizer-mode deepseek_v4 --tool-call-parser deepseek_v4 --reasoning-parser deepseek_v4 "
+        "--enable-auto-tool-choice --trust-remote-code -tp 1 --enable-expert-parallel --max-model-len 64k "
+        "--no-enable-prefix-caching --api-key a --api-key b"
+    )
+    args = parse_args(shlex.split(line))
+    assert args.model == "/ckpt/V4" and args.max_model_len == 64_000
+    assert (args.speculative_method, args.num_speculative_tokens) == ("mtp", 1)
+    assert args.api_keys == ["a", "b"]
+
+
+@pytest.mark.parametrize(
+    ("text", "count"), [("4096", 4096), ("64k", 64_000), ("64K", 65_536), ("1m", 10**6), ("1M", 2**20)]
+)
+def test_token_counts_as_vllm_writes_them(text: str, count: int):
+    assert parse_count(text) == count
+
+
+def test_api_keys_come_from_the_environment_when_no_flag_names_one(monkeypatch):
+    monkeypatch.setenv("VLLM_API_KEY", "from-env")
+    assert parse_args([]).api_keys == ["from-env"]
+    assert parse_args(["--api-key", "flag"]).api_keys == ["flag"]
+
+
+def test_a_yaml_config_under_the_command_line(tmp_path):
+    config = tmp_path / "serve.yaml"
+    config.write_text("max_model_len: 2048\nport: 9000\nenforce-eager: true\nserved-model-name: [a, b]\n")
+    args = parse_args(["--config", str(config), "--port", "9001"])
+    assert (args.max_model_len, args.port, args.enforce_eager) == (2048, 9001, True)
+    assert args.served_model_name == ["a", "b"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["--tensor-parallel-size", "2"], "--tensor-parallel-size=2"),
+        (["--dtype", "bfloat16"], "--dtype=bfloat16"),
+        (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype=fp8"),
+        (["--num-speculative-tokens", "2"], "--num-speculative-tokens needs a method"),
+        (["--speculative-config", '{"method": "eagle"}'], "method='eagle'"),
+        (["--speculative-config", '{"method": "mtp", "model": "x"}'], "model not supported"),
+        (["--speculative-config", '{"method": "mtp"}', "--speculative-method", "dspark"], "disagrees"),
+        (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization=1.5"),
+        (["--gpu-memory-utilization", "0.5", "--kv-cache-memory", "1GiB"], "not both"),
+        (["a", "--model", "b"], "given twice"),
+        (["--tool-call-parser", "hermes"], "invalid choice: 'hermes'"),
+    ],
+)
+def test_unsupported_values_are_errors_naming_the_flag(argv: list[str], named: str, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(argv)
+    assert named in capsys.readouterr().err

@@ -1,0 +1,79 @@
+"""Starting the server as a vLLM user would: vLLM's DeepSeek-V4 launch line works unchanged; a port in use,
+a context beyond the model's or a KV cache too small for one request fail at start, naming the numbers."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from model.tiny import cached_tiny
+from tests.server.conftest import ROOT, serving
+
+# vLLM's recipe line for DeepSeek-V4-Flash, with the tiny checkpoint for the model and CPU values for the
+# GPU-only ones (one device, the model's own KV cache format).
+VLLM_LINE = [
+    "--trust-remote-code", "--kv-cache-dtype", "auto", "--block-size", "16", "--tensor-parallel-size", "1",
+    "--enable-expert-parallel", "--tokenizer-mode", "deepseek_v4", "--tool-call-parser", "deepseek_v4",
+    "--enable-auto-tool-choice", "--reasoning-parser", "deepseek_v4",
+    "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}', "--max-model-len", "2048",
+    "--max-num-seqs", "8", "--served-model-name", "deepseek-ai/DeepSeek-V4-Flash", "--enforce-eager",
+]  # fmt: skip
+
+
+def run_serve(*flags: str, timeout: float = 120) -> tuple[subprocess.CompletedProcess, float]:
+    start = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "engine.serve", *flags],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    return done, time.monotonic() - start
+
+
+def test_vllm_launch_line_serves_unchanged(tmp_path):
+    with serving(tmp_path / "server.log", str(cached_tiny("v4")), *VLLM_LINE) as (served, _):
+        chat = served.client().chat.completions.create(
+            model="deepseek-ai/DeepSeek-V4-Flash",
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=4,
+            extra_body={"chat_template_kwargs": {"thinking": True, "reasoning_effort": "high"}},
+        )
+        assert chat.choices[0].finish_reason in ("stop", "length")
+    log = (tmp_path / "server.log").read_text()
+    assert "non-default flags:" in log and "maximum concurrency" in log
+
+
+def test_a_port_in_use_fails_at_once_naming_it():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done, elapsed = run_serve("--host", "127.0.0.1", "--port", str(port))
+    assert done.returncode != 0 and f"127.0.0.1:{port}" in done.stderr
+    assert elapsed < 2, elapsed
+
+
+def free_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--max-model-len", "2M"], "max_position_embeddings=1048576"),
+        (["--kv-cache-memory", "64K"], "needs"),
+        (["--quantization", "w8a8"], "--quantization=w8a8"),
+        (["--generation-config", "/nonexistent"], "no generation_config.json"),
+    ],
+)
+def test_a_plan_that_cannot_serve_fails_before_serving(flags: list[str], named: str):
+    done, _ = run_serve("--host", "127.0.0.1", "--port", free_port(), *flags)
+    assert done.returncode != 0 and named in done.stderr, done.stderr[-2000:]
