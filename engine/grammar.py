@@ -59,6 +59,22 @@ class LogitBias:
         return logits.index_add(0, self.ids, self.values.to(logits.dtype))
 
 
+class ThinkingBudget:
+    """Closes the reasoning after `budget` output tokens: until `</think>` is written, it is then the only
+    token allowed, and the answer follows. It reads the output alone, so a replay after preemption
+    decides the same."""
+
+    def __init__(self, budget: int, think_end: int):
+        self.budget, self.think_end = budget, think_end
+
+    def __call__(self, output: list[int], logits: torch.Tensor) -> torch.Tensor:
+        if len(output) < self.budget or self.think_end in output:
+            return logits
+        forced = torch.full_like(logits, float("-inf"))
+        forced[self.think_end] = logits[self.think_end]
+        return forced
+
+
 def chain(*processors: LogitsProcessor | None) -> LogitsProcessor | None:
     present = [p for p in processors if p is not None]
     if len(present) <= 1:

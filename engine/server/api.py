@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
-from engine.grammar import GrammarError, Grammars, LogitBias, chain
+from engine.grammar import GrammarError, Grammars, LogitBias, ThinkingBudget, chain
 from engine.llm_engine import LLMEngine
 from engine.request import InvalidRequest, LogitsProcessor, SamplingParams
 from engine.server.async_engine import AsyncEngine, Group, Unavailable, Update
@@ -38,7 +38,7 @@ from engine.server.protocol import (
 )
 from model.chat import ChatFormatError, check_tools, encode_messages, loads_strict
 from model.chat_profile import ChatProfile, EffortError, select_chat_profile
-from model.tokenizer import TextTokenizer
+from model.tokenizer import THINK_END, TextTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -197,8 +197,13 @@ class OpenAIServer:
         return requested if requested is not None else room
 
     async def processors(
-        self, grammar: str | None, body: Sampling, param: str | None = None
+        self,
+        grammar: str | None,
+        body: Sampling,
+        param: str | None = None,
+        budget: int | None = None,
     ) -> list[LogitsProcessor | None]:
+        """One processor per choice: `logit_bias`, the thinking `budget`, then the grammar's matcher."""
         bias = body.token_bias(self.cfg.vocab_size)
         grammar_processors: list[Any] = [None] * body.n
         if grammar is not None:
@@ -206,7 +211,8 @@ class OpenAIServer:
                 grammar_processors = await self.offload(self.grammars.processors, grammar, body.n)
             except GrammarError as err:
                 raise APIError(str(err), param=param) from None
-        return [chain(LogitBias(bias) if bias else None, g) for g in grammar_processors]
+        closer = None if budget is None else ThinkingBudget(budget, self.tokenizer.token_to_id(THINK_END))
+        return [chain(LogitBias(bias) if bias else None, closer, g) for g in grammar_processors]
 
     async def submit(
         self, prefix: str, seqs: list[Seq], prompt_param: str, max_tokens_param: str = "max_tokens"

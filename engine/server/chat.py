@@ -65,7 +65,7 @@ async def start_chat(server: OpenAIServer, body: ChatCompletionRequest, prefix: 
             grammar = None
     except GrammarError as err:
         raise APIError(str(err), param=param) from None
-    processors = await server.processors(grammar, body, param)
+    processors = await server.processors(grammar, body, param, body.reasoning_budget())
     seqs: list[Seq] = [
         (prompt, body.sampling_params(max_tokens, top, i, server.generation_defaults), processors[i])
         for i in range(body.n)

@@ -284,6 +284,8 @@ class ChatCompletionRequest(Sampling, _ChatTemplate):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     response_format: ResponseFormat | None = None
+    thinking_budget: Annotated[int, Field(ge=0)] | None = None  # reasoning tokens before </think> is forced
+    max_reasoning_tokens: Annotated[int, Field(ge=0)] | None = None  # another client's name for it
     guided_json: dict[str, Any] | None = None  # vLLM's older name of structured_outputs.json
     structured_outputs: StructuredOutputs | None = None
 
@@ -291,6 +293,15 @@ class ChatCompletionRequest(Sampling, _ChatTemplate):
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError("top_logprobs requires logprobs to be true", param="top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def reasoning_budget(self) -> int | None:
+        """`thinking_budget` or `max_reasoning_tokens` (both only with thinking on)."""
+        given = {v for v in (self.thinking_budget, self.max_reasoning_tokens) if v is not None}
+        if len(given) > 1:
+            raise APIError("thinking_budget and max_reasoning_tokens disagree", param="thinking_budget")
+        if given and not self.thinking:
+            raise APIError("thinking_budget needs thinking on", param="thinking_budget")
+        return next(iter(given), None)
 
     def requested_max_tokens(self) -> int | None:
         if self.max_tokens is not None and self.max_completion_tokens is not None:

@@ -114,3 +114,19 @@ def test_generation_config_defaults_fill_only_the_unset_fields():
     given = ChatCompletionRequest.model_validate({"messages": [USER], "temperature": 1.0, "top_k": -1})
     params = given.sampling_params(4, None, 0, defaults)
     assert (params.temperature, params.top_p, params.top_k) == (1.0, 0.8, 0)
+
+
+def test_a_thinking_budget_closes_the_reasoning_and_the_answer_follows(server: Served):
+    body = {"model": MODEL, "messages": [USER], "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+            "chat_template_kwargs": {"thinking": True}}  # fmt: skip
+    unlimited = server.http().post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+    budgeted = server.http().post("/v1/chat/completions", json={**body, "thinking_budget": 3}).json()
+    message = budgeted["choices"][0]["message"]
+    assert (
+        message["reasoning"] == unlimited["reasoning"][: len(message["reasoning"])]
+    )  # same start, cut short
+    assert message["content"] and budgeted["usage"]["completion_tokens"] == 12
+    refused = server.http().post(
+        "/v1/chat/completions", json={**body, "chat_template_kwargs": {}, "thinking_budget": 3}
+    )
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "thinking_budget"
