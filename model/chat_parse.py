@@ -77,11 +77,15 @@ def _default_id(index: int) -> str:
     return f"call_{index}"
 
 
-def _held_back(text: str, marker: str) -> int:
-    """Length of the longest tail of `text` that could still grow into `marker`."""
-    for n in range(min(len(text), len(marker) - 1), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
+def held_back(text: str, marker: str) -> int:
+    """Length of the longest tail of `text` that could still grow into `marker` (a proper prefix of it):
+    what a stream must hold back. Only the places in the last len(marker) - 1 characters where the
+    marker's first character stands are tried."""
+    start = text.find(marker[0], max(0, len(text) - len(marker) + 1))
+    while start >= 0:
+        if marker.startswith(text[start:]):
+            return len(text) - start
+        start = text.find(marker[0], start + 1)
     return 0
 
 
@@ -152,7 +156,7 @@ class StreamParser:
             if self._state in ("reasoning", "content"):
                 marker = THINK_END if self._state == "reasoning" else self._prefix
                 at = buf.find(marker)
-                end = at if at >= 0 else len(buf) - (0 if final else _held_back(buf, marker))
+                end = at if at >= 0 else len(buf) - (0 if final else held_back(buf, marker))
                 if self._state == "reasoning" and self._strict_reasoning:
                     early = buf.find(self._prefix, 0, at if at >= 0 else len(buf))
                     if early >= 0:
@@ -160,7 +164,7 @@ class StreamParser:
                             f"tool-call block inside the reasoning: {buf[early : early + 200]!r}"
                         )
                     if at < 0 and not final:
-                        end = min(end, len(buf) - _held_back(buf, self._prefix))
+                        end = min(end, len(buf) - held_back(buf, self._prefix))
                 if self._state == "reasoning":
                     delta.reasoning_content += buf[:end]
                 else:

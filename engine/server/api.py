@@ -1,6 +1,7 @@
-"""The OpenAI API over the async engine: request checks, completions, tokenize, detokenize, models.
+"""The OpenAI API over the async engine: reading and checking requests, submitting and driving their
+sequences, the chat encoding, and the small routes (tokenize, detokenize, models).
 
-Chat completions live in engine/server/chat.py, the app in engine/server/app.py.
+The generation routes live beside it (completions.py, chat.py, responses.py), the app in app.py.
 """
 
 from __future__ import annotations
@@ -26,11 +27,10 @@ from engine.llm_engine import LLMEngine
 from engine.request import InvalidRequest, LogitsProcessor, SamplingParams
 from engine.server.async_engine import AsyncEngine, Group, Unavailable, Update
 from engine.server.metrics import Metrics
-from engine.server.output import TextRelease, TokenTexts
+from engine.server.output import TokenTexts
 from engine.server.protocol import (
     APIError,
     ChatCompletionRequest,
-    CompletionRequest,
     DetokenizeRequest,
     Sampling,
     TokenizeRequest,
@@ -301,74 +301,7 @@ class OpenAIServer:
         total = prompt_tokens + completion_tokens
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": total}
 
-    # ---- /v1/completions -----------------------------------------------------------------------------
-    async def completions(self, request: Request) -> Response:
-        body = await self.parse(request, CompletionRequest)
-        body.check()
-        prompts = await self.offload(
-            lambda: [self.text_prompt(p) if isinstance(p, str) else p for p in body.prompts()]
-        )
-        processors = await self.processors(None, body)
-        seqs: list[Seq] = []
-        for p in prompts:
-            max_tokens = self.max_tokens(body.max_tokens, p, "prompt")
-            seqs += [
-                (
-                    p,
-                    body.sampling_params(max_tokens, body.logprobs, i, self.generation_defaults),
-                    processors[i],
-                )
-                for i in range(body.n)
-            ]
-        group = await self.submit("cmpl", seqs, "prompt")  # checks the token ids before echo decodes them
-        texts = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in body.prompts()]
-        base = {"id": group.ids[0].rsplit("-", 1)[0], "object": "text_completion", "created": group.created,
-                "model": body.model or self.names[0]}  # fmt: skip
-        prompt_tokens = sum(len(p) for p in prompts)
-        top = body.logprobs or 0
-
-        def logprobs(u: Update, offset: int) -> dict | None:
-            if body.logprobs is None:
-                return None
-            return self.texts.completion_logprobs(u.token_ids, u.logprobs, top, offset)
-
-        echo = [texts[i // body.n] if body.echo else "" for i in range(len(seqs))]
-        if not body.stream:
-            finals = await self.collect(request, group)
-            choices = [
-                {
-                    "index": u.index,
-                    "text": echo[u.index] + u.text,
-                    "logprobs": logprobs(u, len(echo[u.index])),
-                    "finish_reason": u.finish_reason,
-                }
-                for u in finals
-            ]
-            usage = self.usage(prompt_tokens, sum(len(u.token_ids) for u in finals))
-            return JSONResponse({**base, "choices": choices, "usage": usage})
-
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
-
-        async def chunks() -> AsyncIterator[str]:
-            releases = [TextRelease(sp.stop) for _, sp, _ in seqs]
-            offsets = [len(e) for e in echo]
-            generated = 0
-            async for u in self.updates(group):
-                generated += len(u.token_ids)
-                text = echo[u.index] + releases[u.index].next(u.text, u.finish_reason is not None)
-                echo[u.index] = ""
-                if not text and u.finish_reason is None and body.logprobs is None:
-                    continue
-                lp = logprobs(u, offsets[u.index])
-                offsets[u.index] += len(text)
-                choice = {"index": u.index, "text": text, "logprobs": lp, "finish_reason": u.finish_reason}
-                yield sse({**base, "choices": [choice], **({"usage": None} if include_usage else {})})
-            if include_usage:
-                yield sse({**base, "choices": [], "usage": self.usage(prompt_tokens, generated)})
-
-        return self.stream(group, chunks())
-
-    # ---- /v1/chat/completions ------------------------------------------------------------------------
+    # ---- chat encoding (engine/server/chat.py serves the route) ----------------------------------------
     def chat_prompt(self, body: ChatCompletionRequest | TokenizeRequest, mode: str, schema: Any) -> str:
         kwargs = body.chat_template_kwargs
         try:

@@ -20,6 +20,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.server.api import OpenAIServer
 from engine.server.chat import chat_completions
+from engine.server.completions import completions
 from engine.server.metrics import Metrics
 from engine.server.protocol import APIError
 from engine.server.responses import responses
@@ -98,9 +99,12 @@ def build_app(
     app = FastAPI(title="deepseek-ascend", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.add_api_route("/v1/models", server.models, methods=["GET"])
     app.add_api_route("/v1/models/{model_id:path}", server.model, methods=["GET"])
-    app.add_api_route("/v1/completions", server.completions, methods=["POST"])
     app.add_api_route("/tokenize", server.tokenize, methods=["POST"])
     app.add_api_route("/detokenize", server.detokenize, methods=["POST"])
+
+    @app.post("/v1/completions")
+    async def complete(request: Request) -> Response:
+        return await completions(server, request)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:

@@ -11,20 +11,9 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from model.chat_parse import CompletionParseError, StreamDelta, StreamParser, ToolCall
+from model.chat_parse import CompletionParseError, StreamDelta, StreamParser, ToolCall, held_back
 from model.chat_profile import V4_0731, ChatProfile
 from model.tokenizer import THINK_END
-
-
-def _held_back(text: str, marker: str) -> int:
-    """Length of the longest proper prefix of `marker` that `text` ends with; only the places in the last
-    len(marker) - 1 characters where the marker's first character stands are tried."""
-    start = text.find(marker[0], max(0, len(text) - len(marker) + 1))
-    while start >= 0:
-        if marker.startswith(text[start:]):
-            return len(text) - start
-        start = text.find(marker[0], start + 1)
-    return 0
 
 
 class TextRelease:
@@ -36,7 +25,7 @@ class TextRelease:
 
     def next(self, text: str, final: bool) -> str:
         if not final:
-            text = text[: len(text) - max((_held_back(text, s) for s in self.stops), default=0)]
+            text = text[: len(text) - max((held_back(text, s) for s in self.stops), default=0)]
         new = text[self.sent :]
         self.sent = max(self.sent, len(text))
         return new
@@ -120,7 +109,7 @@ class ChatOutput:
         if self.thinking:
             reasoning, seen, content = self.text.partition(THINK_END)
             if not seen and not final:
-                reasoning = reasoning[: len(reasoning) - _held_back(reasoning, THINK_END)]
+                reasoning = reasoning[: len(reasoning) - held_back(reasoning, THINK_END)]
         return self._add(reasoning[len(self.reasoning) :], content[len(self.content) :])
 
 

@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from engine.llm_engine import _first_stop
-from engine.server.output import _held_back
+from model.chat_parse import held_back
 
 pieces = st.lists(st.text("abc", max_size=4), min_size=1, max_size=30)
 stops = st.lists(st.text("abc", min_size=1, max_size=5), min_size=1, max_size=4).map(tuple)
@@ -31,4 +31,4 @@ def test_incremental_stop_search_equals_a_full_scan(parts: list[str], stops: tup
 @given(st.text("abc", max_size=12), st.text("abc", min_size=1, max_size=6))
 def test_held_back_is_the_longest_proper_prefix_of_the_stop_ending_the_text(text: str, stop: str):
     longest = max((n for n in range(1, len(stop)) if text.endswith(stop[:n])), default=0)
-    assert _held_back(text, stop) == longest
+    assert held_back(text, stop) == longest
