@@ -2,7 +2,7 @@
 
 Each layer's window keys and each compressing layer's entries (and index keys) live in pools
 ``[num_slots, dim]``. The pools are views over one buffer of equal-sized blocks; a block belongs
-to one cache group at a time and holds as many slots of that group as fit. A request maps token
+to one cache group at a time and splits evenly into (padded) slots of that group. A request maps token
 positions (window group) or entry numbers (one compressed group per ratio) to slots through its
 block tables: slot = block * slots_per_block + offset. The engine's ``KVCacheManager`` hands out
 the blocks; a model used alone (``new_state``) gets a private store that grows on demand, so both
@@ -12,6 +12,7 @@ run the same code. Small per-request state (compressor buffers, Engram look-back
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from math import gcd, isqrt
 
 import torch
 
@@ -46,9 +47,27 @@ def cache_groups(cfg: ModelConfig, dtype_bytes: int) -> tuple[CacheGroup, ...]:
 
 
 def block_layout(groups: tuple[CacheGroup, ...], block_size: int) -> tuple[int, dict[str, int]]:
-    """Bytes per block (``block_size`` slots of the widest group) and each group's slots per block."""
-    block_bytes = block_size * max(g.bytes_per_slot for g in groups)
-    return block_bytes, {g.name: block_bytes // g.bytes_per_slot for g in groups}
+    """Bytes per block and each group's slots per block.
+
+    A block splits evenly into rows of every group, each row a slot padded up to a divisor of the block,
+    so that every pool is a plain strided view of the buffer (slot = block * slots_per_block + offset).
+    The block holds ``block_size`` slots of the widest group, each padded by a little (up to an eighth)
+    where that lets the group that pads most pad less."""
+    unit = gcd(*(g.bytes_per_slot for g in groups))  # rows stay multiples of every element size
+    widest = max(g.bytes_per_slot for g in groups) // unit
+
+    def fit(units: int) -> dict[str, int]:
+        divisors = [d for d in range(1, isqrt(units) + 1) if units % d == 0]
+        divisors += [units // d for d in divisors]
+        return {g.name: max(d for d in divisors if d * g.bytes_per_slot <= units * unit) for g in groups}
+
+    def padding(units: int) -> float:
+        fits = fit(units)
+        return max(1 - fits[g.name] * g.bytes_per_slot / (units * unit) for g in groups)
+
+    candidates = range(widest, widest + min(widest // 8, 64) + 1)
+    row = min(candidates, key=lambda r: padding(block_size * r))
+    return block_size * row * unit, fit(block_size * row)
 
 
 def group_name(ratio: int) -> str:
@@ -65,7 +84,6 @@ class KVPools:
         elt = torch.empty(0, dtype=dtype).element_size()
         self.groups = cache_groups(cfg, elt)
         self.block_bytes, self.slots_per_block = block_layout(self.groups, block_size)
-        elt = torch.empty(0, dtype=dtype).element_size()
         self._build(torch.zeros(num_blocks, self.block_bytes // elt, dtype=dtype, device=device))
 
     def grow(self, num_blocks: int) -> None:
@@ -77,24 +95,19 @@ class KVPools:
     def _build(self, buffer: torch.Tensor) -> None:
         cfg, elt = self.cfg, buffer.element_size()
         self.buffer, self.num_blocks = buffer, buffer.shape[0]
-        num_blocks = self.num_blocks
         self.window: dict[int, torch.Tensor] = {}
         self.entries: dict[int, torch.Tensor] = {}
         self.index_keys: dict[int, torch.Tensor] = {}
-        views = {
-            g.name: buffer[:, : self.slots_per_block[g.name] * g.bytes_per_slot // elt].view(
-                num_blocks, self.slots_per_block[g.name], g.bytes_per_slot // elt
-            )
-            for g in self.groups
-        }
-        offsets = dict.fromkeys(views, 0)
+        # Each group's rows tile every block exactly (``block_layout``), so ``view`` never copies: a pool
+        # is a column range of its group's rows, and writes through it land in the buffer.
+        row_bytes = {name: self.block_bytes // per_block for name, per_block in self.slots_per_block.items()}
+        rows = {name: buffer.view(-1, size // elt) for name, size in row_bytes.items()}
+        offsets = dict.fromkeys(rows, 0)
 
         def take(group: str, width: int) -> torch.Tensor:
             start = offsets[group]
             offsets[group] += width
-            return views[group][:, :, start : start + width].reshape(
-                -1, width
-            )  # a view: rows keep their stride
+            return rows[group][:, start : start + width]
 
         for plan in build_plan(cfg):
             self.window[plan.index] = take("window", cfg.head_dim)

@@ -1,0 +1,64 @@
+"""KV pools: every pool a view of the one block buffer, kept across ``grow``, and the block layout."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model.cache import CacheGroup, KVPools, block_layout, group_name
+from model.config import ModelConfig
+from model.plan import build_plan
+from model.tiny import ARCHS, toy_config
+
+
+def pools_by_group(pools: KVPools) -> dict[str, list[torch.Tensor]]:
+    """Every pool, under its cache group (the groups share the blocks, the pools of one group do not)."""
+    found = {g.name: [] for g in pools.groups}
+    for plan in build_plan(pools.cfg):
+        found["window"].append(pools.window[plan.index])
+        for kind in (pools.entries, pools.index_keys):
+            if plan.index in kind:
+                found[group_name(plan.compress_ratio)].append(kind[plan.index])
+    return found
+
+
+def shares_the_buffer(pools: KVPools, pool: torch.Tensor) -> bool:
+    return pool.untyped_storage().data_ptr() == pools.buffer.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [64, 16])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_pools_are_views_of_the_buffer_and_survive_grow(arch, block_size, dtype):
+    pools = KVPools(ModelConfig.from_dict(toy_config(arch)), block_size, 2, dtype, torch.device("cpu"))
+    generator = torch.Generator().manual_seed(0)
+    for name in pools_by_group(pools):
+        group = pools_by_group(pools)[name]
+        assert all(shares_the_buffer(pools, pool) for pool in group), f"a {name} pool is a copy"
+        assert all(pool.shape[0] == pools.num_blocks * pools.slots_per_block[name] for pool in group)
+        written = [torch.randn(pool.shape, generator=generator).to(dtype) for pool in group]
+        for pool, rows in zip(group, written, strict=True):
+            pool.copy_(rows)
+        # Read back only after every write: pools of one group that overlapped would overwrite each other.
+        assert all(torch.equal(pool, rows) for pool, rows in zip(group, written, strict=True)), name
+
+        pools.grow(pools.num_blocks + 3)
+        group = pools_by_group(pools)[name]
+        assert all(shares_the_buffer(pools, pool) for pool in group), f"a {name} pool is a copy after grow"
+        for pool, rows in zip(group, written, strict=True):
+            assert pool.shape[0] == pools.num_blocks * pools.slots_per_block[name]
+            assert torch.equal(pool[: rows.shape[0]], rows), f"a {name} pool lost its contents in grow"
+
+
+@pytest.mark.parametrize(
+    "widths", [(64, 32), (1792, 768, 512), (3328, 384, 768), (45056, 26880, 20480), (65536, 38400, 31744)]
+)
+@pytest.mark.parametrize("block_size", [1, 16, 64])
+def test_block_layout_tiles_every_block_with_every_group(widths, block_size):
+    groups = tuple(CacheGroup(f"g{i}", 1, w) for i, w in enumerate(widths))
+    block_bytes, slots_per_block = block_layout(groups, block_size)
+    assert slots_per_block["g0"] >= block_size
+    assert block_bytes <= block_size * widths[0] * 9 / 8  # the widest group's slots pad by an eighth at most
+    for g in groups:
+        per_block = slots_per_block[g.name]
+        assert block_bytes % per_block == 0 and block_bytes // per_block >= g.bytes_per_slot
