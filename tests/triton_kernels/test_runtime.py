@@ -16,6 +16,7 @@ from triton_kernels import (
     indexer,
     mhc,
     quant,
+    quant_matmul,
     rmsnorm,
     rope,
     runtime,
@@ -26,7 +27,7 @@ from triton_kernels import (
 )
 from triton_kernels.spec import KernelSpec, TuneConfig
 
-OP_MODULES = (rmsnorm, rope, mhc, topk, indexer, quant, sparse_attn, compressor, engram)
+OP_MODULES = (rmsnorm, rope, mhc, topk, indexer, quant, quant_matmul, sparse_attn, compressor, engram)
 
 
 def test_cpu_backend_facts() -> None:
