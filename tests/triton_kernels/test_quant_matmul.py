@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from model.quant import dequantize_fp4, dequantize_fp8
+from tests.triton_kernels.packed import assert_close, random_weight
 from triton_kernels import quant_matmul, runtime
 from triton_kernels.quant import dequantize_int8, quantize_int8_ref
 from triton_kernels.quant_matmul import (
@@ -26,25 +27,6 @@ _U8 = torch.uint8
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.float().view(torch.int32)  # compares -0.0 apart from 0.0
-
-
-def _random_weight(fmt: str, n: int, k: int, seed: int = 0) -> QuantWeight:
-    """Random stored bytes (every finite code, subnormals included) with exponents around 2**0."""
-    gen = torch.Generator().manual_seed(seed)
-
-    def exponents(*shape: int) -> torch.Tensor:
-        return torch.randint(120, 134, shape, generator=gen, dtype=torch.uint8)
-
-    if fmt.startswith("fp8"):
-        block = int(fmt.split("-")[1])
-        data = torch.randint(0, 256, (n, k), generator=gen, dtype=torch.uint8)
-        data[(data & 127) == 127] = 0x38  # NaN codes -> 1.0
-        return fp8_weight(data.view(torch.float8_e4m3fn), exponents(-(-n // block), -(-k // block)), block)
-    if fmt == "mxfp4":
-        data = torch.randint(-128, 128, (n, k // 2), generator=gen, dtype=torch.int8)
-        return mxfp4_weight(data, exponents(n, -(-k // 32)).view(torch.float8_e8m0fnu))
-    q, scale = quantize_int8_ref(torch.randn(n, k, generator=gen))
-    return int8_weight(q, scale[:, None])
 
 
 def _x(m: int, k: int, dtype: torch.dtype = torch.float32, seed: int = 1) -> torch.Tensor:
@@ -95,14 +77,6 @@ def test_kernel_decodes_every_e2m1_code_and_e8m0_exponent() -> None:
     assert y[255].isnan()
 
 
-def _assert_close(out: torch.Tensor, expected: torch.Tensor) -> None:
-    """fp32 rounding of K-term sums: relative to the largest output, where terms up to 448 * 2**6 cancel."""
-    if out.dtype == torch.bfloat16:
-        torch.testing.assert_close(out, expected)
-    else:
-        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
-
-
 def _dense(x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
     """Dequantise the whole weight with the loader's functions, then one dense GEMM."""
     if weight.format == "fp8":
@@ -123,13 +97,13 @@ def _dense(x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize(("n", "k"), [(70, 200), (130, 96), (1, 32)])
 def test_reference_equals_dequantise_then_dense(fmt: str, n: int, k: int) -> None:
-    weight, x = _random_weight(fmt, n, k), _x(9, k)
-    _assert_close(quant_matmul_ref(x, weight), _dense(x, weight))
+    weight, x = random_weight(fmt, n, k), _x(9, k)
+    assert_close(quant_matmul_ref(x, weight), _dense(x, weight))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_reference_decodes_one_tile_at_a_time(fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    weight, x = _random_weight(fmt, 300, 64), _x(2, 64)
+    weight, x = random_weight(fmt, 300, 64), _x(2, 64)
     tiles: list[int] = []
     decode = quant_matmul.dequantize_rows
     monkeypatch.setattr(
@@ -138,7 +112,7 @@ def test_reference_decodes_one_tile_at_a_time(fmt: str, monkeypatch: pytest.Monk
     out = quant_matmul_ref(x, weight)
     if fmt != "int8":  # the int8 reference multiplies int8 rows directly
         assert sum(tiles) == 300 and max(tiles) == (weight.block if fmt.startswith("fp8") else 128)
-    _assert_close(out, _dense(x, weight))
+    assert_close(out, _dense(x, weight))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -146,27 +120,27 @@ def test_reference_decodes_one_tile_at_a_time(fmt: str, monkeypatch: pytest.Monk
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_kernel_matches_reference(fmt: str, m: int, dtype: torch.dtype) -> None:
     n, k = (70, 200) if fmt != "fp8-128" else (130, 300)  # ragged against every tile and scale block
-    weight, x = _random_weight(fmt, n, k, seed=m), _x(m, k, dtype, seed=m)
+    weight, x = random_weight(fmt, n, k, seed=m), _x(m, k, dtype, seed=m)
     out = quant_matmul_triton(x, weight)
     assert out.shape == (m, n) and out.dtype == dtype
-    _assert_close(out, quant_matmul_ref(x, weight))
+    assert_close(out, quant_matmul_ref(x, weight))
 
 
 def test_mxfp4_inputs_not_a_multiple_of_the_group() -> None:
-    weight, x = _random_weight("mxfp4", 20, 80), _x(5, 80)  # 80 = 2.5 groups of 32
-    _assert_close(quant_matmul_triton(x, weight), _dense(x, weight))
+    weight, x = random_weight("mxfp4", 20, 80), _x(5, 80)  # 80 = 2.5 groups of 32
+    assert_close(quant_matmul_triton(x, weight), _dense(x, weight))
 
 
 def test_public_op_dispatches(monkeypatch: pytest.MonkeyPatch) -> None:
-    weight, x = _random_weight("fp8-32", 40, 64), _x(3, 64)
+    weight, x = random_weight("fp8-32", 40, 64), _x(3, 64)
     assert torch.equal(quant_matmul.quant_matmul(x, weight), quant_matmul_ref(x, weight))
     monkeypatch.setattr(runtime, "use_triton", lambda t: True)
-    _assert_close(quant_matmul.quant_matmul(x, weight), quant_matmul_ref(x, weight))
+    assert_close(quant_matmul.quant_matmul(x, weight), quant_matmul_ref(x, weight))
 
 
 def test_empty_input_does_not_launch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(quant_matmul, "_packed_tuned", None)  # any launch would fail
-    assert quant_matmul_triton(torch.zeros(0, 32), _random_weight("mxfp4", 8, 32)).shape == (0, 8)
+    assert quant_matmul_triton(torch.zeros(0, 32), random_weight("mxfp4", 8, 32)).shape == (0, 8)
 
 
 @pytest.mark.parametrize(
@@ -203,8 +177,8 @@ def test_weight_validation(build, match: str) -> None:  # noqa: ANN001
 @pytest.mark.parametrize(
     ("x", "weight", "match"),
     [
-        (torch.zeros(2, 33), _random_weight("fp8-32", 8, 32), r"x: shape \(2, 33\) must be \[M, 32\]"),
-        (torch.zeros(2, 32, dtype=torch.float16), _random_weight("int8", 8, 32), "x: dtype torch.float16"),
+        (torch.zeros(2, 33), random_weight("fp8-32", 8, 32), r"x: shape \(2, 33\) must be \[M, 32\]"),
+        (torch.zeros(2, 32, dtype=torch.float16), random_weight("int8", 8, 32), "x: dtype torch.float16"),
         (
             torch.zeros(2, 32),
             mxfp4_weight(torch.zeros(2, 8, 16, dtype=_U8), torch.zeros(2, 8, 1, dtype=_U8)),

@@ -15,6 +15,7 @@ from triton_kernels import (
     engram,
     indexer,
     mhc,
+    moe_gemm,
     quant,
     quant_matmul,
     rmsnorm,
@@ -27,7 +28,19 @@ from triton_kernels import (
 )
 from triton_kernels.spec import KernelSpec, TuneConfig
 
-OP_MODULES = (rmsnorm, rope, mhc, topk, indexer, quant, quant_matmul, sparse_attn, compressor, engram)
+OP_MODULES = (
+    rmsnorm,
+    rope,
+    mhc,
+    topk,
+    indexer,
+    quant,
+    quant_matmul,
+    moe_gemm,
+    sparse_attn,
+    compressor,
+    engram,
+)
 
 
 def test_cpu_backend_facts() -> None:
