@@ -2,8 +2,8 @@
 
 Contract
     ``moe_gemm(x [T, D] fp32 | bf16, topk_ids [T, k] int32 | int64, topk_weights [T, k] fp32,
-    w1, w3: QuantWeight [E, I, D], w2: QuantWeight [E, D, I], swiglu_limit: float | None) -> [T, D]``,
-    dtype of ``x``, fp32 maths::
+    experts: RoutedExperts) -> [T, D]``, dtype of ``x``, fp32 maths, where ``RoutedExperts(w1, w3:
+    QuantWeight [E, I, D], w2: QuantWeight [E, D, I], swiglu_limit: float | None)`` is checked once::
 
         y[t] = sum_j topk_weights[t, j] * W2_e(silu(min(W1_e x[t], L)) * clamp(W3_e x[t], -L, L))
         with e = topk_ids[t, j]
@@ -85,56 +85,66 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.T
     return torch.nn.functional.silu(gate) * up
 
 
+@dataclass(frozen=True)
+class RoutedExperts:
+    """One MoE layer's packed routed experts, checked once: ``w1`` / ``w3`` [E, I, D], ``w2`` [E, D, I]."""
+
+    w1: QuantWeight
+    w3: QuantWeight
+    w2: QuantWeight
+    swiglu_limit: float | None
+
+    def __post_init__(self) -> None:
+        w1, w3, w2, experts = self.w1, self.w3, self.w2, self.w1.num_experts
+        for name, w in (("w1", w1), ("w3", w3), ("w2", w2)):
+            if w.format not in _FORMAT_IDS:
+                raise ValueError(
+                    f"{name}: format {w.format!r} not supported, expected one of {tuple(_FORMAT_IDS)}"
+                )
+            if w.num_experts != experts or experts < 1:
+                raise ValueError(
+                    f"{name}: {w.num_experts} experts, expected a stack of w1's {experts} (>= 1)"
+                )
+            if w.data.stride(0) > _MAX_INT32 or w.scale.stride(0) > _MAX_INT32:
+                raise ValueError(f"{name}: one expert's bytes exceed {_MAX_INT32}")
+        if (w3.format, w3.block, w3.data.shape) != (w1.format, w1.block, w1.data.shape):
+            raise ValueError(
+                f"w3: {w3.format} {tuple(w3.data.shape)} must match w1: {w1.format} {tuple(w1.data.shape)}"
+            )
+        if (w2.out_features, w2.in_features) != (self.hidden, self.inter):
+            raise ValueError(
+                f"w2: [{w2.out_features}, {w2.in_features}] each, expected [{self.hidden}, {self.inter}]"
+            )
+        if self.swiglu_limit is not None and not self.swiglu_limit > 0:
+            raise ValueError(f"swiglu_limit: {self.swiglu_limit} must be > 0 or None")
+
+    @property
+    def num_experts(self) -> int:
+        return self.w1.num_experts
+
+    @property
+    def hidden(self) -> int:
+        return self.w1.in_features
+
+    @property
+    def inter(self) -> int:
+        return self.w1.out_features
+
+
 def moe_gemm(
-    x: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    w1: QuantWeight,
-    w3: QuantWeight,
-    w2: QuantWeight,
-    swiglu_limit: float | None,
+    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: RoutedExperts
 ) -> torch.Tensor:
-    _validate(x, topk_ids, topk_weights, w1, w3, w2, swiglu_limit)
+    _validate(x, topk_ids, topk_weights, experts)
     if runtime.use_triton(x):
-        return moe_gemm_triton(x, topk_ids, topk_weights, w1, w3, w2, swiglu_limit)
-    return moe_gemm_ref(x, topk_ids, topk_weights, w1, w3, w2, swiglu_limit)
+        return moe_gemm_triton(x, topk_ids, topk_weights, experts)
+    return moe_gemm_ref(x, topk_ids, topk_weights, experts)
 
 
 def _validate(
-    x: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    w1: QuantWeight,
-    w3: QuantWeight,
-    w2: QuantWeight,
-    swiglu_limit: float | None,
+    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: RoutedExperts
 ) -> None:
-    experts = w1.num_experts
-    for name, w in (("w1", w1), ("w3", w3), ("w2", w2)):
-        if w.format not in _FORMAT_IDS:
-            raise ValueError(
-                f"{name}: format {w.format!r} not supported for experts, expected one of {tuple(_FORMAT_IDS)}"
-            )
-        if w.num_experts != experts or experts < 1:
-            raise ValueError(f"{name}: {w.num_experts} experts, expected a stack of w1's {experts} (>= 1)")
-        if w.data.stride(0) > _MAX_INT32 or w.scale.stride(0) > _MAX_INT32:
-            raise ValueError(f"{name}: one expert's bytes exceed {_MAX_INT32}")
-    if (w3.format, w3.block, w3.data.shape, w3.scale.shape) != (
-        w1.format,
-        w1.block,
-        w1.data.shape,
-        w1.scale.shape,
-    ):
-        raise ValueError(
-            f"w3: {w3.format} {tuple(w3.data.shape)} must match w1's {w1.format} {tuple(w1.data.shape)}"
-        )
-    inter = w1.out_features
-    if (w2.out_features, w2.in_features) != (w1.in_features, inter):
-        raise ValueError(
-            f"w2: [{w2.out_features}, {w2.in_features}] per expert, expected [{w1.in_features}, {inter}]"
-        )
-    check_activations("x", x, w1.expert(0))
-    t = x.shape[0]
+    check_activations("x", x, experts.w1.expert(0))
+    t, width = x.shape[0], max(experts.hidden, experts.inter)
     if topk_ids.dtype not in _ID_DTYPES or topk_ids.dim() != 2 or topk_ids.shape[0] != t:
         raise ValueError(
             f"topk_ids: {topk_ids.dtype} {tuple(topk_ids.shape)} must be [{t}, k] of {_ID_DTYPES}"
@@ -146,32 +156,23 @@ def _validate(
         )
     if topk_ids.device != x.device or topk_weights.device != x.device:
         raise ValueError(f"topk_ids / topk_weights: devices must be x's {x.device}")
-    if topk_ids.numel() * max(inter, w1.in_features) > _MAX_INT32:
-        raise ValueError(
-            f"topk_ids: {topk_ids.numel()} choices x {max(inter, w1.in_features)} exceed {_MAX_INT32}"
-        )
-    if swiglu_limit is not None and not swiglu_limit > 0:
-        raise ValueError(f"swiglu_limit: {swiglu_limit} must be > 0 or None")
+    if topk_ids.numel() * width > _MAX_INT32:
+        raise ValueError(f"topk_ids: {topk_ids.numel()} choices x {width} exceed {_MAX_INT32}")
 
 
 def moe_gemm_ref(
-    x: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    w1: QuantWeight,
-    w3: QuantWeight,
-    w2: QuantWeight,
-    swiglu_limit: float | None,
+    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: RoutedExperts
 ) -> torch.Tensor:
     t, k = topk_ids.shape
     contributions = torch.zeros((t, k, x.shape[1]), dtype=torch.float32, device=x.device)
-    for e in range(w1.num_experts):
+    for e in range(experts.num_experts):
         tokens, slots = (topk_ids == e).nonzero(as_tuple=True)
         if tokens.numel() == 0:
             continue
         xe = x[tokens].float()
-        h = swiglu(quant_matmul_ref(xe, w1.expert(e)), quant_matmul_ref(xe, w3.expert(e)), swiglu_limit)
-        contributions[tokens, slots] = quant_matmul_ref(h, w2.expert(e)) * topk_weights[tokens, slots, None]
+        gate, up = quant_matmul_ref(xe, experts.w1.expert(e)), quant_matmul_ref(xe, experts.w3.expert(e))
+        y = quant_matmul_ref(swiglu(gate, up, experts.swiglu_limit), experts.w2.expert(e))
+        contributions[tokens, slots] = y * topk_weights[tokens, slots, None]
     return contributions.sum(1).to(x.dtype)
 
 
@@ -299,23 +300,17 @@ def _launch(
 
 
 def moe_gemm_triton(
-    x: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    w1: QuantWeight,
-    w3: QuantWeight,
-    w2: QuantWeight,
-    swiglu_limit: float | None,
+    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: RoutedExperts
 ) -> torch.Tensor:
     t, k = topk_ids.shape
-    routing = sort_by_expert(topk_ids, topk_weights, w1.num_experts)
+    routing = sort_by_expert(topk_ids, topk_weights, experts.num_experts)
     rows = routing.tokens.numel()
-    hidden = torch.empty((rows, w1.out_features), dtype=torch.float32, device=x.device)
+    hidden = torch.empty((rows, experts.inter), dtype=torch.float32, device=x.device)
     y = torch.zeros((rows, x.shape[1]), dtype=torch.float32, device=x.device)  # dropped rows stay 0
     if rows:
-        limit = float("inf") if swiglu_limit is None else float(swiglu_limit)
-        _launch(_gate_up_tuned, x.contiguous(), routing, w1, w3, hidden, limit, gate_up=True)
-        _launch(_down_tuned, hidden, routing, w2, w2, y, limit, gate_up=False)
+        limit = float("inf") if experts.swiglu_limit is None else float(experts.swiglu_limit)
+        _launch(_gate_up_tuned, x.contiguous(), routing, experts.w1, experts.w3, hidden, limit, gate_up=True)
+        _launch(_down_tuned, hidden, routing, experts.w2, experts.w2, y, limit, gate_up=False)
     return y[routing.inverse].view(t, k, x.shape[1]).sum(1).to(x.dtype)
 
 
