@@ -26,8 +26,9 @@ Kernels
     sorted order (``[S, D]`` fp32, dense tiles, no scatter). The combine gathers each token's ``k`` rows
     back and sums them in slot order (torch). Tasks (expert, row tile, column tile) are dealt round
     robin over a persistent grid; the expert's weights are reached by a pointer advanced once per
-    expert (the release's FP8 stacks exceed int32 byte offsets). Row and column addresses are clamped
-    inside the expert's range and the weight, so no lane reads outside its tensor.
+    expert (the release's FP8 stacks exceed int32 byte offsets). Weight, ``h`` and output tiles are
+    affine with range masks (rectangular sub-views on Ascend); the gathered ``x`` rows use token 0 for
+    the rows past the expert's range and clamped columns, so no lane reads outside ``x``.
 """
 
 from __future__ import annotations
@@ -212,21 +213,38 @@ def _moe_kernel(
             for nt in range(n_tiles):
                 if task % programs == pid:
                     rows = m0 + tl.arange(0, BLOCK_M)
-                    row_safe = tl.minimum(rows, hi - 1)
-                    cols = nt * BLOCK_N + tl.arange(0, BLOCK_N)
-                    col_safe = tl.minimum(cols, N - 1)
+                    row_ok = rows < hi
+                    n0 = nt * BLOCK_N
                     if GATE_UP:
-                        a_rows = a_ptr + tl.load(tok_ptr + row_safe)[:, None] * K
+                        # Token 0 stands in for the rows past the expert's: every gathered address is valid.
+                        tokens = tl.load(tok_ptr + rows, mask=row_ok, other=0)
+                        a_rows = a_ptr + tokens[:, None] * K
                         gate = packed_matmul_tile(
-                            a_rows, w_e, s_e, col_safe, K, SK, FORMAT, SCALE_BLOCK, BLOCK_M, BLOCK_N, BLOCK_K
+                            a_rows,
+                            row_ok,
+                            w_e,
+                            s_e,
+                            n0,
+                            N,
+                            K,
+                            SK,
+                            True,
+                            FORMAT,
+                            SCALE_BLOCK,
+                            BLOCK_M,
+                            BLOCK_N,
+                            BLOCK_K,
                         )
                         up = packed_matmul_tile(
                             a_rows,
+                            row_ok,
                             w3_e,
                             s3_e,
-                            col_safe,
+                            n0,
+                            N,
                             K,
                             SK,
+                            True,
                             FORMAT,
                             SCALE_BLOCK,
                             BLOCK_M,
@@ -237,21 +255,26 @@ def _moe_kernel(
                         up = tl.minimum(tl.maximum(up, -limit), limit)
                         y = gate / (1.0 + tl.exp(-gate)) * up
                     else:
+                        a_rows = a_ptr + rows[:, None] * K
                         y = packed_matmul_tile(
-                            a_ptr + row_safe[:, None] * K,
+                            a_rows,
+                            row_ok,
                             w_e,
                             s_e,
-                            col_safe,
+                            n0,
+                            N,
                             K,
                             SK,
+                            False,
                             FORMAT,
                             SCALE_BLOCK,
                             BLOCK_M,
                             BLOCK_N,
                             BLOCK_K,
                         )
-                        y = y * tl.load(rw_ptr + row_safe)[:, None]
-                    mask = (rows[:, None] < hi) & (cols[None, :] < N)
+                        y = y * tl.load(rw_ptr + rows, mask=row_ok, other=0.0)[:, None]
+                    cols = n0 + tl.arange(0, BLOCK_N)
+                    mask = row_ok[:, None] & (cols[None, :] < N)
                     tl.store(out_ptr + rows[:, None] * N + cols[None, :], y, mask=mask)
                 task += 1
         w_e += w_stride

@@ -27,8 +27,9 @@ Kernels
     bitcast to fp32 (no FP8 type: A2/A3 have none), scales them per group through a reshape (no
     gather) and calls ``tl.dot`` in fp32. MXFP4 splits ``x`` into its even and odd inputs, one dot per
     nibble, so the codes never need interleaving. ``_int8_matmul_kernel``: int8 x int8 -> int32 dots,
-    rescaled once per tile. Every load address is clamped inside its tensor (a dropped mask reads a
-    valid byte); stores keep their masks.
+    rescaled once per tile. Loads and stores are affine tiles with range masks: triton-ascend lowers
+    them to rectangular sub-views (checked in the lowered IR: no element-wise fallback, no lane read
+    outside the tensor). Clamping those offsets instead would turn every load into a scalar loop.
 """
 
 from __future__ import annotations
@@ -237,46 +238,64 @@ def _e2m1(c):
 @triton.jit
 def packed_matmul_tile(
     a_rows,
+    row_ok,
     w_ptr,
     s_ptr,
-    cols,
+    n0,
+    N,
     K,
     SK,
+    A_GATHERED: tl.constexpr,
     FORMAT: tl.constexpr,
     SCALE_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """``a [BLOCK_M, K] @ dequant(W[cols])^T`` in fp32. ``a_rows`` [BLOCK_M, 1] points at valid rows of
-    ``a`` (fp32 or bf16), ``cols`` [BLOCK_N] are valid (clamped) weight rows; ``SK`` scale columns."""
+    """``a [BLOCK_M, K] @ dequant(W[n0 : n0 + BLOCK_N])^T`` in fp32 (``SK`` exponent columns).
+
+    ``a_rows`` [BLOCK_M, 1] points at the rows of ``a`` (fp32 or bf16), ``row_ok`` marks the real ones.
+    Weight and affine ``a`` addresses are a tile plus range masks, which triton-ascend keeps as a
+    rectangular sub-view (no lane outside it is read). ``A_GATHERED`` rows (token ids) are a gather,
+    whose mask the adapter drops: the caller passes valid rows and the columns are clamped here."""
+    cols = n0 + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if FORMAT == 0:
         GROUP: tl.constexpr = SCALE_BLOCK if SCALE_BLOCK < BLOCK_K else BLOCK_K
-        scale_rows = s_ptr + (cols // SCALE_BLOCK)[:, None] * SK
+        # BLOCK_N divides SCALE_BLOCK: the tile's rows share one row of exponents.
+        scale_row = s_ptr + (n0 // SCALE_BLOCK) * SK
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + tl.arange(0, BLOCK_K)
             k_ok = kk < K
-            k_safe = tl.minimum(kk, K - 1)
-            a = tl.load(a_rows + k_safe[None, :], mask=k_ok[None, :], other=0.0).to(tl.float32)
-            b = tl.load(w_ptr + cols[:, None] * K + k_safe[None, :], mask=k_ok[None, :], other=0)
-            groups = tl.minimum((k0 + tl.arange(0, BLOCK_K // GROUP) * GROUP) // SCALE_BLOCK, SK - 1)
-            scale = _e8m0(tl.load(scale_rows + groups[None, :]).to(tl.int32))
-            w = tl.reshape(_e4m3(b.to(tl.int32)), [BLOCK_N, BLOCK_K // GROUP, GROUP]) * scale[:, :, None]
+            ka = tl.minimum(kk, K - 1) if A_GATHERED else kk
+            a = tl.load(a_rows + ka[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            b = tl.load(
+                w_ptr + cols[:, None] * K + kk[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0
+            )
+            groups = k0 // SCALE_BLOCK + tl.arange(0, BLOCK_K // GROUP)
+            scale = _e8m0(tl.load(scale_row + groups, mask=groups < SK, other=127).to(tl.int32))
+            w = tl.reshape(_e4m3(b.to(tl.int32)), [BLOCK_N, BLOCK_K // GROUP, GROUP]) * scale[None, :, None]
             acc += tl.dot(a, tl.trans(tl.reshape(w, [BLOCK_N, BLOCK_K])), input_precision="ieee")
     else:
         HALF: tl.constexpr = BLOCK_K // 2
         KB = K // 2
-        scale_rows = s_ptr + cols[:, None] * SK
         for k0 in range(0, K, BLOCK_K):
             jj = k0 // 2 + tl.arange(0, HALF)  # byte index: inputs 2j (low nibble) and 2j + 1 (high)
             ok = jj < KB
-            j_safe = tl.minimum(jj, KB - 1)
-            a_even = tl.load(a_rows + 2 * j_safe[None, :], mask=ok[None, :], other=0.0).to(tl.float32)
-            a_odd = tl.load(a_rows + 2 * j_safe[None, :] + 1, mask=ok[None, :], other=0.0).to(tl.float32)
-            b = tl.load(w_ptr + cols[:, None] * KB + j_safe[None, :], mask=ok[None, :], other=0).to(tl.int32)
-            groups = tl.minimum(k0 // 32 + tl.arange(0, BLOCK_K // 32), SK - 1)
-            scale = _e8m0(tl.load(scale_rows + groups[None, :]).to(tl.int32))[:, :, None]
+            ja = tl.minimum(jj, KB - 1) if A_GATHERED else jj
+            a_mask = row_ok[:, None] & ok[None, :]
+            a_even = tl.load(a_rows + 2 * ja[None, :], mask=a_mask, other=0.0).to(tl.float32)
+            a_odd = tl.load(a_rows + 2 * ja[None, :] + 1, mask=a_mask, other=0.0).to(tl.float32)
+            b = tl.load(w_ptr + cols[:, None] * KB + jj[None, :], mask=col_ok[:, None] & ok[None, :], other=0)
+            groups = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+            e = tl.load(
+                s_ptr + cols[:, None] * SK + groups[None, :],
+                mask=col_ok[:, None] & (groups < SK)[None, :],
+                other=127,
+            )
+            scale = _e8m0(e.to(tl.int32))[:, :, None]
+            b = b.to(tl.int32)
             lo = tl.reshape(tl.reshape(_e2m1(b & 15), [BLOCK_N, BLOCK_K // 32, 16]) * scale, [BLOCK_N, HALF])
             hi = tl.reshape(tl.reshape(_e2m1(b >> 4), [BLOCK_N, BLOCK_K // 32, 16]) * scale, [BLOCK_N, HALF])
             acc += tl.dot(a_even, tl.trans(lo), input_precision="ieee")
@@ -285,12 +304,10 @@ def packed_matmul_tile(
 
 
 @triton.jit
-def _tile(task, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Output rows and columns of a task, each with its clamped copy for addressing."""
+def _tile(task, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """First output row and column of a task."""
     n_tiles = tl.cdiv(N, BLOCK_N)
-    rows = (task // n_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = (task % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
-    return rows, tl.minimum(rows, M - 1), cols, tl.minimum(cols, N - 1)
+    return (task // n_tiles) * BLOCK_M, (task % n_tiles) * BLOCK_N
 
 
 @triton.jit
@@ -310,14 +327,19 @@ def _packed_matmul_kernel(
     BLOCK_K: tl.constexpr,
 ):
     for task in range(tl.program_id(0), tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N), tl.num_programs(0)):
-        rows, row_safe, cols, col_safe = _tile(task, M, N, BLOCK_M, BLOCK_N)
+        m0, n0 = _tile(task, N, BLOCK_M, BLOCK_N)
+        rows = m0 + tl.arange(0, BLOCK_M)
+        cols = n0 + tl.arange(0, BLOCK_N)
         acc = packed_matmul_tile(
-            x_ptr + row_safe[:, None] * K,
+            x_ptr + rows[:, None] * K,
+            rows < M,
             w_ptr,
             s_ptr,
-            col_safe,
+            n0,
+            N,
             K,
             SK,
+            False,
             FORMAT,
             SCALE_BLOCK,
             BLOCK_M,
@@ -343,17 +365,24 @@ def _int8_matmul_kernel(
     BLOCK_K: tl.constexpr,
 ):
     for task in range(tl.program_id(0), tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N), tl.num_programs(0)):
-        rows, row_safe, cols, col_safe = _tile(task, M, N, BLOCK_M, BLOCK_N)
+        m0, n0 = _tile(task, N, BLOCK_M, BLOCK_N)
+        rows = m0 + tl.arange(0, BLOCK_M)
+        cols = n0 + tl.arange(0, BLOCK_N)
+        row_ok, col_ok = rows < M, cols < N
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + tl.arange(0, BLOCK_K)
             k_ok = kk < K
-            k_safe = tl.minimum(kk, K - 1)
-            a = tl.load(xq_ptr + row_safe[:, None] * K + k_safe[None, :], mask=k_ok[None, :], other=0)
-            b = tl.load(w_ptr + col_safe[:, None] * K + k_safe[None, :], mask=k_ok[None, :], other=0)
+            a = tl.load(
+                xq_ptr + rows[:, None] * K + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0
+            )
+            b = tl.load(
+                w_ptr + cols[:, None] * K + kk[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0
+            )
             acc += tl.dot(a, tl.trans(b), out_dtype=tl.int32)
-        y = acc.to(tl.float32) * tl.load(xs_ptr + row_safe)[:, None] * tl.load(ws_ptr + col_safe)[None, :]
-        mask = (rows[:, None] < M) & (cols[None, :] < N)
+        xs = tl.load(xs_ptr + rows, mask=row_ok, other=0.0)
+        y = acc.to(tl.float32) * xs[:, None] * tl.load(ws_ptr + cols, mask=col_ok, other=0.0)[None, :]
+        mask = row_ok[:, None] & col_ok[None, :]
         tl.store(out_ptr + rows[:, None] * N + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -389,7 +418,8 @@ def _int8_ub(block_m: int, block_n: int, block_k: int) -> int:
     return (block_m + 2 * block_n) * block_k + 4 * 3 * block_m * block_n
 
 
-# BLOCK_K = 128: a multiple of every scale group (32 and 128), and 512 B of fp32 per cube operand row.
+# BLOCK_K = 128: a multiple of every scale group (32 and 128), and 512 B of fp32 per cube operand row;
+# BLOCK_N = 32 divides both FP8 blocks, as packed_matmul_tile needs.
 PACKED_CONFIGS = (
     TuneConfig({"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128}, packed_ub(16, 32, 128)),
     TuneConfig({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 128}, packed_ub(32, 32, 128)),
