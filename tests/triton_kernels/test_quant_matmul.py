@@ -5,9 +5,10 @@ import torch
 
 from model.quant import dequantize_fp4, dequantize_fp8
 from tests.triton_kernels.packed import assert_close, random_weight
-from triton_kernels import quant_matmul, runtime
+from triton_kernels import moe_gemm, quant_matmul, runtime
 from triton_kernels.quant import dequantize_int8, quantize_int8_ref
 from triton_kernels.quant_matmul import (
+    FP8_BLOCKS,
     QuantWeight,
     decode_e2m1,
     decode_e4m3,
@@ -129,6 +130,21 @@ def test_kernel_matches_reference(fmt: str, m: int, dtype: torch.dtype) -> None:
 def test_mxfp4_inputs_not_a_multiple_of_the_group() -> None:
     weight, x = random_weight("mxfp4", 20, 80), _x(5, 80)  # 80 = 2.5 groups of 32
     assert_close(quant_matmul_triton(x, weight), _dense(x, weight))
+
+
+_PACKED_SPECS = [
+    spec for m in (quant_matmul, moe_gemm) for spec in m.KERNELS if "SCALE_BLOCK" in spec.constexprs
+]
+
+
+@pytest.mark.parametrize("spec", _PACKED_SPECS, ids=lambda s: f"{s.name}-{s.constexprs}")
+def test_packed_configs_tile_the_scale_groups(spec) -> None:  # noqa: ANN001
+    """What packed_matmul_tile assumes: a tile's rows share one FP8 exponent row, and a K slice holds
+    whole scale groups (or lies inside one)."""
+    block = spec.constexprs["SCALE_BLOCK"]
+    for config in spec.configs:
+        bn, bk = config.params["BLOCK_N"], config.params["BLOCK_K"]
+        assert all(b % bn == 0 for b in FP8_BLOCKS) and bk % 32 == 0 and (bk % block == 0 or block % bk == 0)
 
 
 def test_public_op_dispatches(monkeypatch: pytest.MonkeyPatch) -> None:
