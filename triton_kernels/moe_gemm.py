@@ -20,10 +20,11 @@ Routing
 
 Kernels
     One ``@triton.jit`` body, two launches. ``GATE_UP``: for each expert and each ``BLOCK_M`` tile of its
-    sorted rows, gathers the tokens' rows of ``x``, runs both ``quant_matmul.packed_matmul_tile`` GEMMs
-    on a ``BLOCK_N`` slice of ``I`` and stores the clamped SwiGLU in fp32 (``h [S, I]``, S = T * k). The
-    second launch multiplies ``h`` by ``W2_e``, scales each row by its routing weight and stores it in
-    sorted order (``[S, D]`` fp32, dense tiles, no scatter). The combine gathers each token's ``k`` rows
+    sorted rows and ``BLOCK_N`` slice of ``I``, gathers the tokens' rows of ``x`` once per K slice for
+    both GEMMs (``quant_matmul.packed_matmul_tile`` with a pair of weights) and stores the clamped
+    SwiGLU in fp32 (``h [S, I]``, S = T * k). The second launch multiplies ``h`` by ``W2_e``, scales
+    each row by its routing weight and stores it in sorted order (``[S, D]`` fp32, dense tiles, no
+    scatter). The combine gathers each token's ``k`` rows
     back and sums them in slot order (torch). Tasks (expert, row tile, column tile) are dealt round
     robin over a persistent grid; the expert's weights are reached by a pointer advanced once per
     expert (the release's FP8 stacks exceed int32 byte offsets). Weight, ``h`` and output tiles are
@@ -209,74 +210,32 @@ def _moe_kernel(
     for e in range(E):
         lo = tl.load(off_ptr + e)
         hi = tl.load(off_ptr + e + 1)
-        for m0 in range(lo, hi, BLOCK_M):
-            for nt in range(n_tiles):
-                if task % programs == pid:
-                    rows = m0 + tl.arange(0, BLOCK_M)
-                    row_ok = rows < hi
-                    n0 = nt * BLOCK_N
-                    if GATE_UP:
-                        # Token 0 stands in for the rows past the expert's: every gathered address is valid.
-                        tokens = tl.load(tok_ptr + rows, mask=row_ok, other=0)
-                        a_rows = a_ptr + tokens[:, None] * K
-                        gate = packed_matmul_tile(
-                            a_rows,
-                            row_ok,
-                            w_e,
-                            s_e,
-                            n0,
-                            N,
-                            K,
-                            SK,
-                            True,
-                            FORMAT,
-                            SCALE_BLOCK,
-                            BLOCK_M,
-                            BLOCK_N,
-                            BLOCK_K,
-                        )
-                        up = packed_matmul_tile(
-                            a_rows,
-                            row_ok,
-                            w3_e,
-                            s3_e,
-                            n0,
-                            N,
-                            K,
-                            SK,
-                            True,
-                            FORMAT,
-                            SCALE_BLOCK,
-                            BLOCK_M,
-                            BLOCK_N,
-                            BLOCK_K,
-                        )
-                        gate = tl.minimum(gate, limit)
-                        up = tl.minimum(tl.maximum(up, -limit), limit)
-                        y = gate / (1.0 + tl.exp(-gate)) * up
-                    else:
-                        a_rows = a_ptr + rows[:, None] * K
-                        y = packed_matmul_tile(
-                            a_rows,
-                            row_ok,
-                            w_e,
-                            s_e,
-                            n0,
-                            N,
-                            K,
-                            SK,
-                            False,
-                            FORMAT,
-                            SCALE_BLOCK,
-                            BLOCK_M,
-                            BLOCK_N,
-                            BLOCK_K,
-                        )
-                        y = y * tl.load(rw_ptr + rows, mask=row_ok, other=0.0)[:, None]
-                    cols = n0 + tl.arange(0, BLOCK_N)
-                    mask = row_ok[:, None] & (cols[None, :] < N)
-                    tl.store(out_ptr + rows[:, None] * N + cols[None, :], y, mask=mask)
-                task += 1
+        expert_tasks = tl.cdiv(hi - lo, BLOCK_M) * n_tiles
+        # Tasks are dealt round robin: this program's first task of the expert, then every programs-th.
+        for t in range((pid - task % programs + programs) % programs, expert_tasks, programs):
+            rows = lo + (t // n_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
+            row_ok = rows < hi
+            n0 = (t % n_tiles) * BLOCK_N
+            if GATE_UP:
+                # Token 0 stands in for the rows past the expert's: every gathered address is valid.
+                a_rows = a_ptr + tl.load(tok_ptr + rows, mask=row_ok, other=0)[:, None] * K
+            else:
+                a_rows = a_ptr + rows[:, None] * K
+            acc, acc2 = packed_matmul_tile(
+                a_rows, row_ok, w_e, s_e, w3_e, s3_e, n0, N, K, SK, GATE_UP, GATE_UP,
+                FORMAT, SCALE_BLOCK, BLOCK_M, BLOCK_N, BLOCK_K,
+            )  # fmt: skip
+            if GATE_UP:
+                gate = tl.minimum(acc, limit)
+                up = tl.minimum(tl.maximum(acc2, -limit), limit)
+                y = gate / (1.0 + tl.exp(-gate)) * up
+            else:
+                y = acc * tl.load(rw_ptr + rows, mask=row_ok, other=0.0)[:, None]
+            cols = n0 + tl.arange(0, BLOCK_N)
+            tl.store(
+                out_ptr + rows[:, None] * N + cols[None, :], y, mask=row_ok[:, None] & (cols[None, :] < N)
+            )
+        task += expert_tasks
         w_e += w_stride
         s_e += s_stride
         w3_e += w_stride
@@ -338,16 +297,14 @@ def moe_gemm_triton(
 
 
 def _gate_up_ub(block_m: int, block_n: int, block_k: int) -> int:
-    # One GEMM step, plus the second GEMM's decoded weight tile and its scaled copy (fp32), the second
-    # accumulator, the SwiGLU temporaries and the gathered token ids.
-    return packed_ub(block_m, block_n, block_k) + 4 * (
-        2 * block_n * block_k + 4 * block_m * block_n + block_m
-    )
+    # One GEMM step (the second weight's slice is decoded after the first dot), the second accumulator,
+    # the SwiGLU temporaries and the gathered token ids.
+    return packed_ub(block_m, block_n, block_k) + 4 * (4 * block_m * block_n + block_m)
 
 
-_GATE_UP_CONFIGS = tuple(
-    TuneConfig({"BLOCK_M": bm, "BLOCK_N": 32, "BLOCK_K": 128}, _gate_up_ub(bm, 32, 128), multibuffer=False)
-    for bm in (16, 32)
+_GATE_UP_CONFIGS = (
+    TuneConfig({"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128}, _gate_up_ub(16, 32, 128)),
+    TuneConfig({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 128}, _gate_up_ub(32, 32, 128), multibuffer=False),
 )
 _DOWN_CONFIGS = PACKED_CONFIGS[:2]
 _KEY = ["N", "K", "FORMAT", "SCALE_BLOCK"]

@@ -236,23 +236,64 @@ def _e2m1(c):
 
 
 @triton.jit
+def _fp8_slice(w_ptr, s_ptr, n0, cols, col_ok, k0, K, SK, SCALE_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr):  # fmt: skip
+    """Weights ``[BLOCK_N, BLOCK_K]`` of inputs ``k0 + j`` in fp32 (0 past ``K`` or ``N``)."""
+    GROUP: tl.constexpr = SCALE_BLOCK if SCALE_BLOCK < BLOCK_K else BLOCK_K
+    kk = k0 + tl.arange(0, BLOCK_K)
+    b = tl.load(w_ptr + cols[:, None] * K + kk[None, :], mask=col_ok[:, None] & (kk < K)[None, :], other=0)
+    # BLOCK_N divides SCALE_BLOCK: the tile's rows share one row of exponents.
+    groups = k0 // SCALE_BLOCK + tl.arange(0, BLOCK_K // GROUP)
+    e = tl.load(s_ptr + (n0 // SCALE_BLOCK) * SK + groups, mask=groups < SK, other=127)
+    w = (
+        tl.reshape(_e4m3(b.to(tl.int32)), [BLOCK_N, BLOCK_K // GROUP, GROUP])
+        * _e8m0(e.to(tl.int32))[None, :, None]
+    )
+    return tl.reshape(w, [BLOCK_N, BLOCK_K])
+
+
+@triton.jit
+def _mxfp4_slice(w_ptr, s_ptr, cols, col_ok, k0, K, SK, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Weights of inputs ``k0 + 2j`` (low nibbles) and ``k0 + 2j + 1`` (high), ``[BLOCK_N, BLOCK_K / 2]``
+    each, in fp32 (0 past ``K`` or ``N``)."""
+    HALF: tl.constexpr = BLOCK_K // 2
+    jj = k0 // 2 + tl.arange(0, HALF)
+    b = tl.load(
+        w_ptr + cols[:, None] * (K // 2) + jj[None, :], mask=col_ok[:, None] & (jj < K // 2)[None, :], other=0
+    )
+    groups = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+    e = tl.load(
+        s_ptr + cols[:, None] * SK + groups[None, :], mask=col_ok[:, None] & (groups < SK)[None, :], other=127
+    )
+    scale = _e8m0(e.to(tl.int32))[:, :, None]
+    b = b.to(tl.int32)
+    lo = tl.reshape(tl.reshape(_e2m1(b & 15), [BLOCK_N, BLOCK_K // 32, 16]) * scale, [BLOCK_N, HALF])
+    hi = tl.reshape(tl.reshape(_e2m1(b >> 4), [BLOCK_N, BLOCK_K // 32, 16]) * scale, [BLOCK_N, HALF])
+    return lo, hi
+
+
+@triton.jit
 def packed_matmul_tile(
     a_rows,
     row_ok,
     w_ptr,
     s_ptr,
+    w2_ptr,
+    s2_ptr,
     n0,
     N,
     K,
     SK,
     A_GATHERED: tl.constexpr,
+    PAIR: tl.constexpr,
     FORMAT: tl.constexpr,
     SCALE_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """``a [BLOCK_M, K] @ dequant(W[n0 : n0 + BLOCK_N])^T`` in fp32 (``SK`` exponent columns).
+    """``a [BLOCK_M, K] @ dequant(W[n0 : n0 + BLOCK_N])^T`` in fp32 (``SK`` exponent columns); with ``PAIR``
+    also the same for a second weight ``(w2_ptr, s2_ptr)`` of W's shape, sharing every load of ``a``.
 
     ``a_rows`` [BLOCK_M, 1] points at the rows of ``a`` (fp32 or bf16), ``row_ok`` marks the real ones.
     Weight and affine ``a`` addresses are a tile plus range masks, which triton-ascend keeps as a
@@ -261,46 +302,33 @@ def packed_matmul_tile(
     cols = n0 + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if FORMAT == 0:
-        GROUP: tl.constexpr = SCALE_BLOCK if SCALE_BLOCK < BLOCK_K else BLOCK_K
-        # BLOCK_N divides SCALE_BLOCK: the tile's rows share one row of exponents.
-        scale_row = s_ptr + (n0 // SCALE_BLOCK) * SK
-        for k0 in range(0, K, BLOCK_K):
+    acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if FORMAT == 0:
             kk = k0 + tl.arange(0, BLOCK_K)
-            k_ok = kk < K
             ka = tl.minimum(kk, K - 1) if A_GATHERED else kk
-            a = tl.load(a_rows + ka[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-            b = tl.load(
-                w_ptr + cols[:, None] * K + kk[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0
+            a = tl.load(a_rows + ka[None, :], mask=row_ok[:, None] & (kk < K)[None, :], other=0.0).to(
+                tl.float32
             )
-            groups = k0 // SCALE_BLOCK + tl.arange(0, BLOCK_K // GROUP)
-            scale = _e8m0(tl.load(scale_row + groups, mask=groups < SK, other=127).to(tl.int32))
-            w = tl.reshape(_e4m3(b.to(tl.int32)), [BLOCK_N, BLOCK_K // GROUP, GROUP]) * scale[None, :, None]
-            acc += tl.dot(a, tl.trans(tl.reshape(w, [BLOCK_N, BLOCK_K])), input_precision="ieee")
-    else:
-        HALF: tl.constexpr = BLOCK_K // 2
-        KB = K // 2
-        for k0 in range(0, K, BLOCK_K):
-            jj = k0 // 2 + tl.arange(0, HALF)  # byte index: inputs 2j (low nibble) and 2j + 1 (high)
-            ok = jj < KB
-            ja = tl.minimum(jj, KB - 1) if A_GATHERED else jj
-            a_mask = row_ok[:, None] & ok[None, :]
+            w = _fp8_slice(w_ptr, s_ptr, n0, cols, col_ok, k0, K, SK, SCALE_BLOCK, BLOCK_N, BLOCK_K)
+            acc += tl.dot(a, tl.trans(w), input_precision="ieee")
+            if PAIR:
+                w = _fp8_slice(w2_ptr, s2_ptr, n0, cols, col_ok, k0, K, SK, SCALE_BLOCK, BLOCK_N, BLOCK_K)
+                acc2 += tl.dot(a, tl.trans(w), input_precision="ieee")
+        else:
+            jj = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+            ja = tl.minimum(jj, K // 2 - 1) if A_GATHERED else jj
+            a_mask = row_ok[:, None] & (jj < K // 2)[None, :]
             a_even = tl.load(a_rows + 2 * ja[None, :], mask=a_mask, other=0.0).to(tl.float32)
             a_odd = tl.load(a_rows + 2 * ja[None, :] + 1, mask=a_mask, other=0.0).to(tl.float32)
-            b = tl.load(w_ptr + cols[:, None] * KB + jj[None, :], mask=col_ok[:, None] & ok[None, :], other=0)
-            groups = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-            e = tl.load(
-                s_ptr + cols[:, None] * SK + groups[None, :],
-                mask=col_ok[:, None] & (groups < SK)[None, :],
-                other=127,
-            )
-            scale = _e8m0(e.to(tl.int32))[:, :, None]
-            b = b.to(tl.int32)
-            lo = tl.reshape(tl.reshape(_e2m1(b & 15), [BLOCK_N, BLOCK_K // 32, 16]) * scale, [BLOCK_N, HALF])
-            hi = tl.reshape(tl.reshape(_e2m1(b >> 4), [BLOCK_N, BLOCK_K // 32, 16]) * scale, [BLOCK_N, HALF])
+            lo, hi = _mxfp4_slice(w_ptr, s_ptr, cols, col_ok, k0, K, SK, BLOCK_N, BLOCK_K)
             acc += tl.dot(a_even, tl.trans(lo), input_precision="ieee")
             acc += tl.dot(a_odd, tl.trans(hi), input_precision="ieee")
-    return acc
+            if PAIR:
+                lo, hi = _mxfp4_slice(w2_ptr, s2_ptr, cols, col_ok, k0, K, SK, BLOCK_N, BLOCK_K)
+                acc2 += tl.dot(a_even, tl.trans(lo), input_precision="ieee")
+                acc2 += tl.dot(a_odd, tl.trans(hi), input_precision="ieee")
+    return acc, acc2
 
 
 @triton.jit
@@ -330,22 +358,9 @@ def _packed_matmul_kernel(
         m0, n0 = _tile(task, N, BLOCK_M, BLOCK_N)
         rows = m0 + tl.arange(0, BLOCK_M)
         cols = n0 + tl.arange(0, BLOCK_N)
-        acc = packed_matmul_tile(
-            x_ptr + rows[:, None] * K,
-            rows < M,
-            w_ptr,
-            s_ptr,
-            n0,
-            N,
-            K,
-            SK,
-            False,
-            FORMAT,
-            SCALE_BLOCK,
-            BLOCK_M,
-            BLOCK_N,
-            BLOCK_K,
-        )
+        a_rows = x_ptr + rows[:, None] * K
+        acc, _ = packed_matmul_tile(a_rows, rows < M, w_ptr, s_ptr, w_ptr, s_ptr, n0, N, K, SK, False, False,
+                                    FORMAT, SCALE_BLOCK, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
         mask = (rows[:, None] < M) & (cols[None, :] < N)
         tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
