@@ -12,6 +12,7 @@ from benchmarks.cases.case import Builder, Case
 from benchmarks.cases.engram import engram_cases
 from benchmarks.cases.indexer import indexer_cases, quant_cases, topk_cases
 from benchmarks.cases.layers import mhc_cases, rmsnorm_cases, rope_cases
+from benchmarks.cases.quant_gemm import moe_gemm_cases, quant_matmul_cases
 
 OPS: dict[str, Builder] = {
     "rmsnorm": rmsnorm_cases,
@@ -23,6 +24,8 @@ OPS: dict[str, Builder] = {
     "sparse_attn": attention_cases,
     "compressor": compressor_cases,
     "engram": engram_cases,
+    "quant_matmul": quant_matmul_cases,
+    "moe_gemm": moe_gemm_cases,
 }
 
 __all__ = ["OPS", "Builder", "Case", "select"]

@@ -15,7 +15,9 @@ from triton_kernels import (
     engram,
     indexer,
     mhc,
+    moe_gemm,
     quant,
+    quant_matmul,
     rmsnorm,
     rope,
     runtime,
@@ -26,7 +28,19 @@ from triton_kernels import (
 )
 from triton_kernels.spec import KernelSpec, TuneConfig
 
-OP_MODULES = (rmsnorm, rope, mhc, topk, indexer, quant, sparse_attn, compressor, engram)
+OP_MODULES = (
+    rmsnorm,
+    rope,
+    mhc,
+    topk,
+    indexer,
+    quant,
+    quant_matmul,
+    moe_gemm,
+    sparse_attn,
+    compressor,
+    engram,
+)
 
 
 def test_cpu_backend_facts() -> None:

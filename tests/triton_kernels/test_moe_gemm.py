@@ -1,0 +1,159 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model.quant import dequantize_fp4, dequantize_fp8
+from tests.triton_kernels.packed import assert_close, random_weight
+from triton_kernels import moe_gemm, runtime
+from triton_kernels.moe_gemm import RoutedExperts, moe_gemm_ref, moe_gemm_triton, sort_by_expert
+from triton_kernels.quant_matmul import QuantWeight
+
+E, D, INTER, K_CHOICES = 5, 64, 48, 2
+FORMATS = ("mxfp4", "fp8-128", "fp8-32")
+
+
+def _experts(fmt: str, limit: float | None = 0.5, d: int = D, inter: int = INTER) -> RoutedExperts:
+    # Exponents around 2**-9: expert outputs of order one, so the SwiGLU clamp cuts only some values.
+    def stack(n: int, k: int, seed: int) -> QuantWeight:
+        return random_weight(fmt, n, k, seed=seed, experts=(E,), exponents=(114, 120))
+
+    return RoutedExperts(stack(inter, d, 1), stack(inter, d, 2), stack(d, inter, 3), limit)
+
+
+def _routing(t: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Experts 3 and 4 get no token; some choices are dropped (-1) and one id is out of range."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 3, (t, K_CHOICES), generator=gen, dtype=torch.int32)
+    ids[::3, 1] = -1
+    if t > 4:
+        ids[4, 0] = E
+    return ids, torch.rand(t, K_CHOICES, generator=gen)
+
+
+def _x(t: int, d: int = D, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(t, d, generator=torch.Generator().manual_seed(7)).to(dtype)
+
+
+def _dequantised(w: QuantWeight, e: int) -> torch.Tensor:
+    data, scale = w.data[e], w.scale[e].view(torch.float8_e8m0fnu)
+    if w.format == "mxfp4":
+        return dequantize_fp4(data, scale, torch.float32)
+    return dequantize_fp8(data.view(torch.float8_e4m3fn), scale, w.block, torch.float32)
+
+
+def _dense_moe(
+    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: RoutedExperts
+) -> torch.Tensor:
+    """Model-spec §7 token by token, over weights dequantised whole by the loader's functions."""
+    w1, w3, w2, limit = experts.w1, experts.w3, experts.w2, experts.swiglu_limit
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            if not 0 <= e < E:
+                continue
+            gate, up = _dequantised(w1, e) @ x[t].float(), _dequantised(w3, e) @ x[t].float()
+            if limit is not None:
+                gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+            out[t] += weights[t, j] * (_dequantised(w2, e) @ (torch.nn.functional.silu(gate) * up))
+    return out
+
+
+def test_sort_by_expert_groups_choices_stably() -> None:
+    ids, weights = _routing(17)
+    routing = sort_by_expert(ids, weights, E)
+    flat = ids.reshape(-1)
+    valid = (flat >= 0) & (flat < E)
+    counts = torch.bincount(flat[valid].long(), minlength=E)
+    assert routing.offsets.tolist() == [0, *torch.cumsum(counts, 0).tolist()] and counts[3:].eq(0).all()
+    choice = torch.arange(flat.numel())
+    assert torch.equal(routing.tokens[routing.inverse].long(), choice // K_CHOICES)
+    assert torch.equal(routing.weights[routing.inverse], weights.reshape(-1))
+    assert routing.inverse[~valid].ge(routing.offsets[-1]).all()  # dropped choices sort last
+    for e in range(E):
+        rows = routing.tokens[routing.offsets[e] : routing.offsets[e + 1]]
+        assert torch.equal(rows.long(), (choice[flat == e] // K_CHOICES))  # tokens ascending
+
+
+@pytest.mark.parametrize("limit", [0.5, None])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_reference_equals_dequantise_then_dense(fmt: str, limit: float | None) -> None:
+    experts, (ids, weights), x = _experts(fmt, limit), _routing(9), _x(9)
+    assert_close(moe_gemm_ref(x, ids, weights, experts), _dense_moe(x, ids, weights, experts))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t", [1, 3, 17])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_kernel_matches_reference(fmt: str, t: int, dtype: torch.dtype) -> None:
+    experts, (ids, weights), x = _experts(fmt), _routing(t, seed=t), _x(t, dtype=dtype)
+    out = moe_gemm_triton(x, ids, weights, experts)
+    assert out.shape == (t, D) and out.dtype == dtype
+    assert_close(out, moe_gemm_ref(x, ids, weights, experts))
+
+
+def test_kernel_ragged_against_every_tile_without_clamp() -> None:
+    # D = 160 and I = 40: partial 128-wide K slices and scale blocks, partial 32-wide column tiles.
+    experts, (ids, weights), x = (
+        _experts("fp8-32", None, d=160, inter=40),
+        _routing(17, seed=3),
+        _x(17, d=160),
+    )
+    assert_close(moe_gemm_triton(x, ids, weights, experts), _dense_moe(x, ids, weights, experts))
+
+
+def test_all_choices_dropped_give_zeros() -> None:
+    ids = torch.full((3, K_CHOICES), -1, dtype=torch.int64)
+    out = moe_gemm_triton(_x(3), ids, torch.rand(3, K_CHOICES), _experts("mxfp4"))
+    assert torch.equal(out, torch.zeros(3, D))
+
+
+def test_no_tokens_does_not_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(moe_gemm, "_gate_up_tuned", None)  # any launch would fail
+    ids = torch.zeros(0, K_CHOICES, dtype=torch.int32)
+    assert moe_gemm_triton(_x(0), ids, torch.zeros(0, K_CHOICES), _experts("mxfp4")).shape == (0, D)
+
+
+def test_public_op_dispatches(monkeypatch: pytest.MonkeyPatch) -> None:
+    experts, (ids, weights), x = _experts("fp8-32"), _routing(4), _x(4)
+    expected = moe_gemm_ref(x, ids, weights, experts)
+    assert torch.equal(moe_gemm.moe_gemm(x, ids, weights, experts), expected)
+    monkeypatch.setattr(runtime, "use_triton", lambda t: True)
+    assert_close(moe_gemm.moe_gemm(x, ids, weights, experts), expected)
+
+
+def _stack(fmt: str, n: int, k: int, experts: int = E) -> QuantWeight:
+    return random_weight(fmt, n, k, experts=(experts,))
+
+
+@pytest.mark.parametrize(
+    ("weights", "match"),
+    [
+        ({"w1": random_weight("int8", INTER, D)}, "w1: format 'int8' not supported"),
+        ({"w3": _stack("fp8-32", INTER, D)}, "w3: fp8 .* must match w1: mxfp4"),
+        ({"w2": _stack("mxfp4", D, INTER, E - 1)}, "w2: 4 experts, expected a stack of w1's 5"),
+        ({"w2": _stack("mxfp4", INTER, D)}, r"w2: \[48, 64\] each, expected \[64, 48\]"),
+        ({"swiglu_limit": 0.0}, "swiglu_limit: 0.0 must be > 0 or None"),
+    ],
+)
+def test_expert_validation(weights: dict[str, object], match: str) -> None:
+    base = _experts("mxfp4")
+    args = {"w1": base.w1, "w3": base.w3, "w2": base.w2, "swiglu_limit": 0.5}
+    with pytest.raises(ValueError, match=match):
+        RoutedExperts(**{**args, **weights})
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        ({"x": torch.zeros(4, D + 2)}, r"x: shape \(4, 66\) must be \[M, 64\]"),
+        ({"topk_ids": torch.zeros(4, 2)}, "topk_ids: torch.float32"),
+        ({"topk_weights": torch.zeros(4, 3)}, r"topk_weights: torch.float32 \(4, 3\) must be fp32 \(4, 2\)"),
+    ],
+)
+def test_call_validation(call: dict[str, object], match: str) -> None:
+    ids, weights = _routing(4)
+    args = {"x": _x(4), "topk_ids": ids, "topk_weights": weights, "experts": _experts("mxfp4")}
+    with pytest.raises(ValueError, match=match):
+        moe_gemm.moe_gemm(**{**args, **call})

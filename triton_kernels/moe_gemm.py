@@ -1,0 +1,332 @@
+"""Fused MoE grouped GEMM over packed routed experts (model-spec §7, weights as in §9.1).
+
+Contract
+    ``moe_gemm(x [T, D] fp32 | bf16, topk_ids [T, k] int32 | int64, topk_weights [T, k] fp32,
+    experts: RoutedExperts) -> [T, D]``, dtype of ``x``, fp32 maths, where ``RoutedExperts(w1, w3:
+    QuantWeight [E, I, D], w2: QuantWeight [E, D, I], swiglu_limit: float | None)`` is checked once::
+
+        y[t] = sum_j topk_weights[t, j] * W2_e(silu(min(W1_e x[t], L)) * clamp(W3_e x[t], -L, L))
+        with e = topk_ids[t, j]
+
+    ``L = swiglu_limit`` (``None``: no clamp). A choice whose id is outside ``[0, E)`` (``-1``: none) adds
+    nothing; ids are not range-checked on the host (that would synchronise). The experts are stacks of
+    ``quant_matmul`` weights (``fp8_weight`` / ``mxfp4_weight`` of ``[E, N, ...]`` bytes): ``w1`` and
+    ``w3`` share a format, ``w2`` has its own; weights stay packed. The sum over ``j`` runs in slot order.
+
+Routing
+    ``sort_by_expert`` orders the ``T * k`` choices by expert (stable: tokens ascending within an
+    expert, dropped choices last) and gives each expert's row range ``offsets[e]:offsets[e + 1]``.
+    Experts with no token have an empty range and cost one scalar load per program.
+
+Kernels
+    One ``@triton.jit`` body, two launches. ``GATE_UP``: for each expert and each ``BLOCK_M`` tile of its
+    sorted rows and ``BLOCK_N`` slice of ``I``, gathers the tokens' rows of ``x`` once per K slice for
+    both GEMMs (``quant_matmul.packed_matmul_tile`` with a pair of weights) and stores the clamped
+    SwiGLU in fp32 (``h [S, I]``, S = T * k). The second launch multiplies ``h`` by ``W2_e``, scales
+    each row by its routing weight and stores it in sorted order (``[S, D]`` fp32, dense tiles, no
+    scatter). The combine gathers each token's ``k`` rows
+    back and sums them in slot order (torch). Tasks (expert, row tile, column tile) are dealt round
+    robin over a persistent grid; the expert's weights are reached by a pointer advanced once per
+    expert (the release's FP8 stacks exceed int32 byte offsets). Weight, ``h`` and output tiles are
+    affine with range masks (rectangular sub-views on Ascend); the gathered ``x`` rows use token 0 for
+    the rows past the expert's range and clamped columns, so no lane reads outside ``x``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from triton_kernels import runtime, tuning
+from triton_kernels.quant_matmul import (
+    FP8,
+    MXFP4,
+    PACKED_CONFIGS,
+    QuantWeight,
+    check_activations,
+    packed_matmul_tile,
+    packed_ub,
+    quant_matmul_ref,
+)
+from triton_kernels.spec import KernelSpec, TuneConfig
+
+_ID_DTYPES = (torch.int32, torch.int64)
+_FORMAT_IDS = {FP8: 0, MXFP4: 1}
+_MAX_INT32 = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class ExpertRouting:
+    """The choices sorted by expert: ``S = T * k`` rows, rows ``>= offsets[E]`` are dropped choices."""
+
+    tokens: torch.Tensor  # [S] int32: the token of each sorted row
+    weights: torch.Tensor  # [S] fp32: its routing weight
+    offsets: torch.Tensor  # [E + 1] int32: expert e owns rows offsets[e]:offsets[e + 1]
+    inverse: torch.Tensor  # [T * k] int64: the sorted row of choice t * k + j
+
+
+def sort_by_expert(topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int) -> ExpertRouting:
+    flat = topk_ids.reshape(-1).long()
+    keyed = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)
+    order = torch.argsort(keyed, stable=True)
+    counts = torch.bincount(keyed, minlength=num_experts + 1)[:num_experts]
+    offsets = torch.zeros(num_experts + 1, dtype=torch.int32, device=flat.device)
+    offsets[1:] = torch.cumsum(counts, 0)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=flat.device)
+    tokens = (order // max(1, topk_ids.shape[1])).to(torch.int32)
+    return ExpertRouting(tokens, topk_weights.reshape(-1)[order].contiguous(), offsets, inverse)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
+    if limit is not None:
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return torch.nn.functional.silu(gate) * up
+
+
+@dataclass(frozen=True)
+class RoutedExperts:
+    """One MoE layer's packed routed experts, checked once: ``w1`` / ``w3`` [E, I, D], ``w2`` [E, D, I]."""
+
+    w1: QuantWeight
+    w3: QuantWeight
+    w2: QuantWeight
+    swiglu_limit: float | None
+
+    def __post_init__(self) -> None:
+        w1, w3, w2, experts = self.w1, self.w3, self.w2, self.w1.num_experts
+        for name, w in (("w1", w1), ("w3", w3), ("w2", w2)):
+            if w.format not in _FORMAT_IDS:
+                raise ValueError(
+                    f"{name}: format {w.format!r} not supported, expected one of {tuple(_FORMAT_IDS)}"
+                )
+            if w.num_experts != experts or experts < 1:
+                raise ValueError(
+                    f"{name}: {w.num_experts} experts, expected a stack of w1's {experts} (>= 1)"
+                )
+            if w.data.stride(0) > _MAX_INT32 or w.scale.stride(0) > _MAX_INT32:
+                raise ValueError(f"{name}: one expert's bytes exceed {_MAX_INT32}")
+        if (w3.format, w3.block, w3.data.shape) != (w1.format, w1.block, w1.data.shape):
+            raise ValueError(
+                f"w3: {w3.format} {tuple(w3.data.shape)} must match w1: {w1.format} {tuple(w1.data.shape)}"
+            )
+        if (w2.out_features, w2.in_features) != (self.hidden, self.inter):
+            raise ValueError(
+                f"w2: [{w2.out_features}, {w2.in_features}] each, expected [{self.hidden}, {self.inter}]"
+            )
+        if self.swiglu_limit is not None and not self.swiglu_limit > 0:
+            raise ValueError(f"swiglu_limit: {self.swiglu_limit} must be > 0 or None")
+
+    @property
+    def num_experts(self) -> int:
+        return self.w1.num_experts
+
+    @property
+    def hidden(self) -> int:
+        return self.w1.in_features
+
+    @property
+    def inter(self) -> int:
+        return self.w1.out_features
+
+
+def moe_gemm(
+    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: RoutedExperts
+) -> torch.Tensor:
+    _validate(x, topk_ids, topk_weights, experts)
+    if runtime.use_triton(x):
+        return moe_gemm_triton(x, topk_ids, topk_weights, experts)
+    return moe_gemm_ref(x, topk_ids, topk_weights, experts)
+
+
+def _validate(
+    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: RoutedExperts
+) -> None:
+    check_activations("x", x, experts.w1.expert(0))
+    t, width = x.shape[0], max(experts.hidden, experts.inter)
+    if topk_ids.dtype not in _ID_DTYPES or topk_ids.dim() != 2 or topk_ids.shape[0] != t:
+        raise ValueError(
+            f"topk_ids: {topk_ids.dtype} {tuple(topk_ids.shape)} must be [{t}, k] of {_ID_DTYPES}"
+        )
+    if topk_weights.dtype != torch.float32 or topk_weights.shape != topk_ids.shape:
+        raise ValueError(
+            f"topk_weights: {topk_weights.dtype} {tuple(topk_weights.shape)} must be fp32"
+            f" {tuple(topk_ids.shape)}"
+        )
+    if topk_ids.device != x.device or topk_weights.device != x.device:
+        raise ValueError(f"topk_ids / topk_weights: devices must be x's {x.device}")
+    if topk_ids.numel() * width > _MAX_INT32:
+        raise ValueError(f"topk_ids: {topk_ids.numel()} choices x {width} exceed {_MAX_INT32}")
+
+
+def moe_gemm_ref(
+    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: RoutedExperts
+) -> torch.Tensor:
+    t, k = topk_ids.shape
+    contributions = torch.zeros((t, k, x.shape[1]), dtype=torch.float32, device=x.device)
+    for e in range(experts.num_experts):
+        tokens, slots = (topk_ids == e).nonzero(as_tuple=True)
+        if tokens.numel() == 0:
+            continue
+        xe = x[tokens].float()
+        gate, up = quant_matmul_ref(xe, experts.w1.expert(e)), quant_matmul_ref(xe, experts.w3.expert(e))
+        y = quant_matmul_ref(swiglu(gate, up, experts.swiglu_limit), experts.w2.expert(e))
+        contributions[tokens, slots] = y * topk_weights[tokens, slots, None]
+    return contributions.sum(1).to(x.dtype)
+
+
+@triton.jit
+def _moe_kernel(
+    a_ptr,
+    tok_ptr,
+    off_ptr,
+    rw_ptr,
+    w_ptr,
+    s_ptr,
+    w3_ptr,
+    s3_ptr,
+    out_ptr,
+    N,
+    K,
+    SK,
+    E,
+    w_stride,
+    s_stride,
+    limit,
+    GATE_UP: tl.constexpr,
+    FORMAT: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid, programs = tl.program_id(0), tl.num_programs(0)
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    task = 0
+    w_e, s_e, w3_e, s3_e = w_ptr, s_ptr, w3_ptr, s3_ptr
+    for e in range(E):
+        lo = tl.load(off_ptr + e)
+        hi = tl.load(off_ptr + e + 1)
+        expert_tasks = tl.cdiv(hi - lo, BLOCK_M) * n_tiles
+        # Tasks are dealt round robin: this program's first task of the expert, then every programs-th.
+        for t in range((pid - task % programs + programs) % programs, expert_tasks, programs):
+            rows = lo + (t // n_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
+            row_ok = rows < hi
+            n0 = (t % n_tiles) * BLOCK_N
+            if GATE_UP:
+                # Token 0 stands in for the rows past the expert's: every gathered address is valid.
+                a_rows = a_ptr + tl.load(tok_ptr + rows, mask=row_ok, other=0)[:, None] * K
+            else:
+                a_rows = a_ptr + rows[:, None] * K
+            acc, acc2 = packed_matmul_tile(
+                a_rows, row_ok, w_e, s_e, w3_e, s3_e, n0, N, K, SK, GATE_UP, GATE_UP,
+                FORMAT, SCALE_BLOCK, BLOCK_M, BLOCK_N, BLOCK_K,
+            )  # fmt: skip
+            if GATE_UP:
+                gate = tl.minimum(acc, limit)
+                up = tl.minimum(tl.maximum(acc2, -limit), limit)
+                y = gate / (1.0 + tl.exp(-gate)) * up
+            else:
+                y = acc * tl.load(rw_ptr + rows, mask=row_ok, other=0.0)[:, None]
+            cols = n0 + tl.arange(0, BLOCK_N)
+            tl.store(
+                out_ptr + rows[:, None] * N + cols[None, :], y, mask=row_ok[:, None] & (cols[None, :] < N)
+            )
+        task += expert_tasks
+        w_e += w_stride
+        s_e += s_stride
+        w3_e += w_stride
+        s3_e += s_stride
+
+
+def _launch(
+    tuned: tuning.TunedKernel,
+    a: torch.Tensor,
+    routing: ExpertRouting,
+    w: QuantWeight,
+    w3: QuantWeight,
+    out: torch.Tensor,
+    limit: float,
+    gate_up: bool,
+) -> None:
+    rows, n, k, experts = routing.tokens.numel(), out.shape[1], w.in_features, w.num_experts
+
+    def grid(meta: dict[str, int]) -> tuple[int]:
+        tiles = (triton.cdiv(rows, meta["BLOCK_M"]) + experts) * triton.cdiv(n, meta["BLOCK_N"])
+        return runtime.grid(KERNELS[0], tiles)
+
+    tuned[grid](
+        a,
+        routing.tokens,
+        routing.offsets,
+        routing.weights,
+        w.data,
+        w.scale,
+        w3.data,
+        w3.scale,
+        out,
+        n,
+        k,
+        w.scale.shape[-1],
+        experts,
+        w.data.stride(0),
+        w.scale.stride(0),
+        limit,
+        GATE_UP=gate_up,
+        FORMAT=_FORMAT_IDS[w.format],
+        SCALE_BLOCK=w.block,
+    )
+
+
+def moe_gemm_triton(
+    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: RoutedExperts
+) -> torch.Tensor:
+    t, k = topk_ids.shape
+    routing = sort_by_expert(topk_ids, topk_weights, experts.num_experts)
+    rows = routing.tokens.numel()
+    hidden = torch.empty((rows, experts.inter), dtype=torch.float32, device=x.device)
+    y = torch.zeros((rows, x.shape[1]), dtype=torch.float32, device=x.device)  # dropped rows stay 0
+    if rows:
+        limit = float("inf") if experts.swiglu_limit is None else float(experts.swiglu_limit)
+        _launch(_gate_up_tuned, x.contiguous(), routing, experts.w1, experts.w3, hidden, limit, gate_up=True)
+        _launch(_down_tuned, hidden, routing, experts.w2, experts.w2, y, limit, gate_up=False)
+    return y[routing.inverse].view(t, k, x.shape[1]).sum(1).to(x.dtype)
+
+
+def _gate_up_ub(block_m: int, block_n: int, block_k: int) -> int:
+    # One GEMM step (the second weight's slice is decoded after the first dot), the second accumulator,
+    # the SwiGLU temporaries and the gathered token ids.
+    return packed_ub(block_m, block_n, block_k) + 4 * (4 * block_m * block_n + block_m)
+
+
+_GATE_UP_CONFIGS = (
+    TuneConfig({"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128}, _gate_up_ub(16, 32, 128)),
+    TuneConfig({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 128}, _gate_up_ub(32, 32, 128), multibuffer=False),
+)
+_DOWN_CONFIGS = PACKED_CONFIGS[:2]
+_KEY = ["N", "K", "FORMAT", "SCALE_BLOCK"]
+_gate_up_tuned = tuning.TunedKernel(_moe_kernel, _GATE_UP_CONFIGS, key=_KEY, name="gate_up")
+_down_tuned = tuning.TunedKernel(_moe_kernel, _DOWN_CONFIGS, key=_KEY, name="down")
+
+
+def _signature(a: str) -> dict[str, str]:
+    pointers = {"a_ptr": a, "tok_ptr": "*i32", "off_ptr": "*i32", "rw_ptr": "*fp32"}
+    weights = dict.fromkeys(("w_ptr", "s_ptr", "w3_ptr", "s3_ptr"), "*u8")
+    ints = dict.fromkeys(("N", "K", "SK", "E", "w_stride", "s_stride"), "i32")
+    return {**pointers, **weights, "out_ptr": "*fp32", **ints, "limit": "fp32"}
+
+
+KERNELS: tuple[KernelSpec, ...] = tuple(
+    KernelSpec(
+        _moe_kernel,
+        signatures=(_signature("*fp32"), _signature("*bf16")) if gate_up else (_signature("*fp32"),),
+        configs=_GATE_UP_CONFIGS if gate_up else _DOWN_CONFIGS,
+        constexprs={"GATE_UP": gate_up, "FORMAT": fmt, "SCALE_BLOCK": block},
+        uses_cube=True,
+    )
+    for gate_up in (1, 0)
+    for fmt, block in ((0, 128), (0, 32), (1, 32))
+)
