@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 SPECULATIVE_METHODS = ("mtp", "dspark")
+# vLLM's speculative method names and ours: vLLM calls the V4 MTP layer `deepseek_mtp` or `mtp`.
+SPECULATIVE_ALIASES = {"mtp": "mtp", "deepseek_mtp": "mtp", "dspark": "dspark"}
 
 
 @dataclass(frozen=True)

@@ -74,6 +74,8 @@ class LLMEngine:
     ) -> Request:
         """Validate and queue a request; everything that could never run is rejected here."""
         vocab, limit = self.model.cfg.vocab_size, self.config.max_model_len
+        if params.n != 1:
+            raise ValueError(f"n={params.n}: a request is one sequence (LLM.generate and the server run n)")
         if not prompt:
             raise InvalidRequest("prompt is empty: at least one token is required", "prompt")
         bad = next((t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab), None)

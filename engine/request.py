@@ -44,6 +44,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     min_tokens: int = 0  # before this many, neither EOS, a stop token nor a stop string ends the output
+    n: int = 1  # outputs per prompt: LLM.generate (and the server) run n sequences of one each
     skip_special_tokens: bool = True  # in the output text
 
     def __post_init__(self) -> None:
@@ -52,6 +53,7 @@ class SamplingParams:
                 raise ValueError(message)
 
         need(self.max_tokens >= 1, f"max_tokens={self.max_tokens} must be at least 1")
+        need(1 <= self.n <= 64, f"n={self.n} must be in [1, 64]")
         need(0 <= self.min_tokens <= self.max_tokens,
              f"min_tokens={self.min_tokens} must be in [0, max_tokens={self.max_tokens}]")  # fmt: skip
         need(0.0 <= self.temperature <= 100.0, f"temperature={self.temperature} must be in [0, 100]")

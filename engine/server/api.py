@@ -119,9 +119,8 @@ class OpenAIServer:
         if not self.api_keys:
             return
         given = request.headers.get("authorization", "").encode()
-        if not any(
-            [hmac.compare_digest(given, key) for key in self.api_keys]
-        ):  # no early exit: constant time
+        matches = [hmac.compare_digest(given, key) for key in self.api_keys]  # every key: constant time
+        if not any(matches):
             raise APIError("invalid or missing API key", 401, code="invalid_api_key")
 
     def check_accepting(self) -> None:

@@ -19,13 +19,11 @@ from typing import Any
 
 import yaml
 
-from engine.config import SPECULATIVE_METHODS, EngineConfig
+from engine.config import SPECULATIVE_ALIASES, SPECULATIVE_METHODS, EngineConfig
 from model.chat_profile import PROFILES
 
 # vLLM's names for the DeepSeek V4 tokenizer, tool-call and reasoning parsers: all built in here.
 DEEPSEEK_PARSERS = ("deepseek_v4", "deepseek_v41")
-# vLLM's speculative methods and ours: vLLM calls the V4 MTP layer `deepseek_mtp` or `mtp`.
-SPECULATIVE_ALIASES = {"mtp": "mtp", "deepseek_mtp": "mtp", "dspark": "dspark"}
 API_KEY_VARIABLES = ("DSV4_API_KEY", "VLLM_API_KEY")
 
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B?)", re.I)

@@ -1,0 +1,164 @@
+"""Offline generation in vLLM's shape: ``LLM(model=DIR).generate(prompts, sampling_params)`` and
+``LLM.chat(messages)``, each result a ``RequestOutput`` with ``.outputs[i].text``; no model: the tiny V4.1.
+
+A prompt is a text, a list of token ids, or vLLM's ``{"prompt": ...}`` / ``{"prompt_token_ids": ...}``;
+one prompt or a list. ``SamplingParams(n=K)`` gives K outputs per prompt, output i drawing from
+``seed + i`` when seeded (as the server's choices do).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from engine.config import SPECULATIVE_ALIASES, EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.request import Request, SamplingParams
+from model.chat import encode_messages
+from model.chat_profile import select_chat_profile
+from model.checkpoint import load_model
+from model.tokenizer import load_tokenizer, prompt_ids
+
+Prompt = str | list[int] | dict[str, Any]
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    logprobs: list[dict[int, float]] | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = True
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | Path | None = None,
+        *,
+        tensor_parallel_size: int = 1,
+        dtype: str = "auto",
+        speculative_config: dict[str, Any] | None = None,
+        chat_encoding: str | None = None,
+        trust_remote_code: bool = False,
+        enforce_eager: bool = False,
+        **engine_args: Any,
+    ):
+        """``engine_args`` are EngineConfig's fields (vLLM's names: ``max_model_len``, ``max_num_seqs``,
+        ``max_num_batched_tokens``, ``block_size``, ``seed``, ...); ``trust_remote_code`` and
+        ``enforce_eager`` are accepted as vLLM's and change nothing here."""
+        if tensor_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size={tensor_parallel_size}: one device for now (1)")
+        if dtype not in ("auto", "float32"):
+            raise ValueError(f"dtype={dtype!r}: the model computes in float32 for now (auto or float32)")
+        known = {f.name for f in dataclasses.fields(EngineConfig)}
+        if unknown := sorted(set(engine_args) - known):
+            raise ValueError(f"unknown engine arguments {unknown}; known: {sorted(known)}")
+        if speculative_config is not None:
+            method = SPECULATIVE_ALIASES.get(speculative_config.get("method"))
+            if method is None or set(speculative_config) - {"method", "num_speculative_tokens"}:
+                methods = sorted(SPECULATIVE_ALIASES)
+                raise ValueError(f"speculative_config={speculative_config!r}: method ({methods}) and "
+                                 "num_speculative_tokens only")  # fmt: skip
+            engine_args["speculative_method"] = method
+            engine_args["num_speculative_tokens"] = speculative_config.get("num_speculative_tokens")
+        if model is None:
+            from model.tiny import cached_tiny
+
+            model = cached_tiny("v41")
+        built = load_model(model)
+        self.engine = LLMEngine(built, load_tokenizer(model), EngineConfig(**engine_args))
+        self.chat_profile = select_chat_profile(built.cfg.model_type, Path(model), chat_encoding)
+
+    def generate(
+        self,
+        prompts: Prompt | list[Prompt],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in order."""
+        if isinstance(prompts, str | dict) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if isinstance(sampling_params, list):
+            if len(sampling_params) != len(prompts):
+                raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
+            params = sampling_params
+        else:
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        texts, ids = zip(*(self._prompt(p) for p in prompts), strict=True) if prompts else ((), ())
+        groups = [self._add(prompt, sp) for prompt, sp in zip(ids, params, strict=True)]
+        self._run([r for group in groups for r in group], use_tqdm)
+        return [self._output(*parts) for parts in zip(texts, ids, groups, strict=True)]
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for one conversation or a list of them, rendered with the checkpoint's chat encoding;
+        the outputs' text is the model's raw reply (reasoning and tool calls unparsed), as vLLM's."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        kwargs = chat_template_kwargs or {}
+        rendered = [
+            encode_messages(
+                conversation,
+                profile=self.chat_profile,
+                tools=tools,
+                thinking=bool(kwargs.get("thinking", kwargs.get("reasoning_effort") is not None)),
+                reasoning_effort=kwargs.get("reasoning_effort"),
+                add_generation_prompt=add_generation_prompt,
+            )
+            for conversation in conversations
+        ]
+        return self.generate(rendered, sampling_params, use_tqdm)
+
+    def _prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        engine = self.engine
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            prompt = prompt["prompt"]
+        if isinstance(prompt, str):
+            return prompt, prompt_ids(engine.tokenizer, prompt, engine.model.cfg.bos_token_id)
+        return None, list(prompt)
+
+    def _add(self, prompt: list[int], params: SamplingParams) -> list[Request]:
+        """The prompt's n sequences: sequence i draws from seed + i."""
+        n, seed = params.n, params.seed
+        return [
+            self.engine.add_request(
+                prompt, dataclasses.replace(params, n=1, seed=None if seed is None else seed + i)
+            )
+            for i in range(n)
+        ]
+
+    def _run(self, requests: list[Request], use_tqdm: bool) -> None:
+        engine = self.engine
+        with tqdm(total=len(requests), desc="Processed prompts", disable=not use_tqdm) as bar:
+            while engine.has_work:
+                engine.step()
+                bar.update(sum(r.finished for r in requests) - bar.n)
+
+    def _output(self, text: str | None, prompt: list[int], requests: list[Request]) -> RequestOutput:
+        outputs = []
+        for i, request in enumerate(requests):
+            done = self.engine.completion(request)
+            outputs.append(CompletionOutput(i, done.text, done.token_ids, done.finish_reason, done.logprobs))
+        return RequestOutput(requests[0].id, text, prompt, outputs)
