@@ -23,7 +23,7 @@ from model.cache import cache_groups
 from model.checkpoint import load_model
 from model.deepseek_v4 import DeepseekV4
 from model.deepseek_v41 import DeepseekV41
-from model.tokenizer import load_tokenizer
+from model.tokenizer import load_tokenizer, prompt_ids
 from triton_kernels.tuning import load_tuned_files
 
 
@@ -230,16 +230,19 @@ class LLM:
 
     def generate(
         self,
-        prompts: list[str] | list[list[int]],
+        prompts: str | list[int] | list[str] | list[list[int]],
         params: SamplingParams | list[SamplingParams] | None = None,
         progress: bool = False,
     ) -> list[Completion]:
+        """One completion per prompt; a single text or token-id list is one prompt."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
         params = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
         engine, bos = self.engine, self.engine.model.cfg.bos_token_id
         requests = [
-            engine.add_request(p if isinstance(p, list) else [bos, *engine.tokenizer.encode(p).ids], sp)
+            engine.add_request(p if isinstance(p, list) else prompt_ids(engine.tokenizer, p, bos), sp)
             for p, sp in zip(prompts, params, strict=True)
         ]
         done = 0

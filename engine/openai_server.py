@@ -33,7 +33,7 @@ from engine.openai_protocol import (
 )
 from engine.request import LogitsProcessor, SamplingParams
 from model.chat import ChatFormatError, encode_messages, loads_strict
-from model.tokenizer import TextTokenizer
+from model.tokenizer import TextTokenizer, prompt_ids
 
 M = TypeVar("M", bound=BaseModel)
 Seq = tuple[list[int], SamplingParams, LogitsProcessor | None]  # prompt, params, processor of a sequence
@@ -80,9 +80,7 @@ class OpenAIServer:
         return parsed
 
     def text_prompt(self, text: str, add_bos: bool = True) -> list[int]:
-        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
-        bos = self.cfg.bos_token_id
-        return [bos, *ids] if add_bos and ids[:1] != [bos] else ids
+        return prompt_ids(self.tokenizer, text, self.cfg.bos_token_id, add_bos)
 
     def max_tokens(self, requested: int | None, prompt: list[int], param: str) -> int:
         room = self.engine.config.max_model_len - len(prompt)

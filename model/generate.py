@@ -14,7 +14,7 @@ import torch
 from model.checkpoint import load_model
 from model.deepseek_v4 import DeepseekV4
 from model.tiny import ARCHS, cached_tiny
-from model.tokenizer import load_tokenizer
+from model.tokenizer import load_tokenizer, prompt_ids
 
 
 @torch.no_grad()
@@ -49,7 +49,7 @@ def main() -> None:
     path = Path(args.model) if args.model else cached_tiny(args.arch)
     model = load_model(path)
     tokenizer = load_tokenizer(path / "tokenizer.json")
-    prompt = [model.cfg.bos_token_id, *tokenizer.encode(args.prompt, add_special_tokens=False).ids]
+    prompt = prompt_ids(tokenizer, args.prompt, model.cfg.bos_token_id)
     completion = greedy(model, prompt, args.max_tokens)
     print(args.prompt + tokenizer.decode(completion))
 
