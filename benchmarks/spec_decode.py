@@ -1,7 +1,7 @@
 """Speculative decoding on the tiny models: tokens per target pass and wall-clock speed-up.
 
-``python -m benchmarks.spec_decode [--arch v4 v41] [--requests 4] [--prompt-len 64] [--max-tokens 64]
-[--k 3]``
+``python -m benchmarks.spec_decode [--arch v4 v4-dspark v41] [--requests 4] [--prompt-len 64]
+[--max-tokens 64] [--k 3]``
 
 For each model, the same greedy batch runs side by side in one process: without drafts, with the
 scripted proposer forced to propose the target's own tokens (every draft accepted: the ceiling),
@@ -25,7 +25,7 @@ from model.checkpoint import load_model
 from model.tiny import cached_tiny
 from model.tokenizer import load_tokenizer
 
-METHODS = {"v4": "mtp", "v41": "dspark"}
+METHODS = {"v4": "mtp", "v4-dspark": "dspark", "v41": "dspark"}
 
 
 @dataclass

@@ -18,7 +18,7 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_memory: int = 256 * 2**20  # bytes for the KV cache blocks
     seed: int = 0
-    speculative_method: str | None = None  # "mtp" (V4) or "dspark" (V4.1)
+    speculative_method: str | None = None  # "mtp" (V4 MTP layer) or "dspark" (DSpark stages)
     num_speculative_tokens: int | None = None  # drafts per step; default: 1 for mtp, the DSpark block
     dspark_min_confidence: float = 0.0  # verify the draft prefix whose confidence product stays above
 

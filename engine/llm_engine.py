@@ -4,9 +4,7 @@
 from __future__ import annotations
 
 import logging
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer
@@ -15,17 +13,15 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import KVCacheManager
 from engine.model_runner import ModelRunner
-from engine.request import FinishReason, InvalidRequest, Request, SamplingParams, Status
+from engine.request import FinishReason, InvalidRequest, Request, SamplingParams
 from engine.sampler import Sampler
 from engine.scheduler import ScheduledChunk, Scheduler
 from engine.spec_decode import build_proposer
 from engine.spec_decode.proposer import Observation, Proposer
 from engine.spec_decode.stats import SpecDecodeStats
 from model.cache import cache_groups
-from model.checkpoint import load_model
 from model.deepseek_v4 import DeepseekV4
 from model.deepseek_v41 import DeepseekV41
-from model.tokenizer import load_tokenizer
 from triton_kernels.tuning import load_tuned_files
 
 log = logging.getLogger(__name__)
@@ -223,39 +219,3 @@ def _first_stop(text: str, new: int, stops: tuple[str, ...]) -> int | None:
     characters were added: only the new text and the stop's length before it are searched."""
     found = (text.find(s, max(0, len(text) - new - len(s) + 1)) for s in stops) if new else ()
     return min((i for i in found if i >= 0), default=None)
-
-
-class LLM:
-    """Offline generation: ``LLM(model_dir).generate(prompts, params)``; no ``model_dir`` = tiny V4.1."""
-
-    def __init__(self, model_dir: str | Path | None = None, **config: int):
-        if model_dir is None:
-            from model.tiny import cached_tiny
-
-            model_dir = cached_tiny("v41")
-        self.engine = LLMEngine(load_model(model_dir), load_tokenizer(model_dir), EngineConfig(**config))
-
-    def generate(
-        self,
-        prompts: list[str] | list[list[int]],
-        params: SamplingParams | list[SamplingParams] | None = None,
-        progress: bool = False,
-    ) -> list[Completion]:
-        params = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
-        engine, bos = self.engine, self.engine.model.cfg.bos_token_id
-        requests = [
-            engine.add_request(p if isinstance(p, list) else [bos, *engine.tokenizer.encode(p).ids], sp)
-            for p, sp in zip(prompts, params, strict=True)
-        ]
-        done = 0
-        while engine.has_work:
-            engine.step()
-            finished = sum(r.status is Status.FINISHED for r in requests)
-            if progress and finished != done:
-                print(f"\rgenerated {finished}/{len(requests)}", end="", file=sys.stderr)
-            done = finished
-        if progress:
-            print(file=sys.stderr)
-        return [engine.completion(r) for r in requests]

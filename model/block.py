@@ -1,4 +1,4 @@
-"""The sublayer pair every V4 / V4.1 block has, with its mHC parameters."""
+"""The sublayer pair every V4 / V4.1 block has, with its mHC parameters; the V4 learned final collapse."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from model.config import ModelConfig
 from model.layers import RMSNorm
 from model.moe import MoE
 from model.plan import LayerPlan
-from triton_kernels.mhc import hc_coeffs
+from triton_kernels.mhc import hc_coeffs, hc_collapse, hc_head_coeffs
 
 
 class MhcBlock(nn.Module):
@@ -46,3 +46,25 @@ def one_hot_premix(tokens: int, streams: int, device: torch.device) -> torch.Ten
     carry = torch.zeros(tokens, streams, device=device)
     carry[:, 0] = 1.0
     return carry
+
+
+class HcHead(nn.Module):
+    """Learned final collapse of the streams (no Sinkhorn)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.hc_head_fn = nn.Parameter(torch.empty(cfg.hc_mult, cfg.hc_mult * cfg.hidden_size))
+        self.hc_head_base = nn.Parameter(torch.empty(cfg.hc_mult))
+        self.hc_head_scale = nn.Parameter(torch.empty(1))
+
+    def collapse(self, x: torch.Tensor) -> torch.Tensor:
+        pre = hc_head_coeffs(
+            x,
+            self.hc_head_fn,
+            self.hc_head_base,
+            self.hc_head_scale,
+            norm_eps=self.cfg.rms_norm_eps,
+            hc_eps=self.cfg.hc_eps,
+        )
+        return hc_collapse(x, pre)

@@ -1,6 +1,8 @@
 """Load a checkpoint in the official naming: single or sharded safetensors, FP8 dequantised on load.
 
-Loading is strict: a missing, unexpected or mis-shaped tensor is an error that lists every name.
+Loading is strict: a missing, unexpected or mis-shaped tensor is an error that lists every name. The
+one exception: a checkpoint with no draft tensors at all (``mtp.*``: transformers drops them, some
+copies strip them) loads as the backbone alone, with speculative decoding unavailable.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from model.tokenizer import load_tokenizer
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+DRAFT_PREFIX = "mtp."
 # Kept in fp32 whatever the compute dtype: mHC, sinks, compressor position bias, gate bias, norms.
 _TEXT_ONLY_SKIPS = re.compile(r"(\.gate\.bias_vl(\.|$)|^(vision|aligner)\.|^image_(start|newline|end)\b)")
 _FP4 = re.compile(r"\.experts\.\d+\.w[123]\.weight$")  # routed experts: packed E2M1 codes
@@ -87,8 +90,11 @@ def load_model(
     path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> DeepseekV4:
     cfg = ModelConfig.from_file(path)
+    tensors = _drop_unused(read_tensors(path))
+    if cfg.num_draft_layers and not any(name.startswith(DRAFT_PREFIX) for name in tensors):
+        cfg = cfg.without_drafts()
     model = build_model(cfg, path)
-    weights = dequantize(_drop_unused(read_tensors(path)), cfg.fp8_block, dtype)
+    weights = dequantize(tensors, cfg.fp8_block, dtype)
     check_names(model.checkpoint_names(), weights)
     model = model.to_empty(device=device)
     model.load_official(weights)

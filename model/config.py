@@ -9,8 +9,9 @@ Every cross-field contract fails here, naming the field, instead of at the first
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,18 +40,24 @@ _OFFICIAL_NAMES = {
     "engram_pad_id": "engram_pad_token_id",
     "dspark_n_activated_experts": "dspark_num_experts_per_tok",
 }
-_LAYER_TYPE_RATIO = {
-    "sliding_attention": 0,
-    "compressed_sparse_attention": 4,
-    "heavily_compressed_attention": 128,
-}
-RATIOS = {"deepseek_v4": (0, 4, 128), "deepseek_v41": (0, 1, 2)}
-# V4.1 keys that carry no numerics; any other unknown V4.1 key is rejected rather than ignored.
-_V41_METADATA = {
+_SLIDING = "sliding_attention"
+_CSA, _HCA = "compressed_sparse_attention", "heavily_compressed_attention"
+_DEFAULT_RATES = {_CSA: 4, _HCA: 128}  # transformers' ``compress_rates`` when absent
+V41_RATIOS = (0, 1, 2)
+_MODEL_TYPES = ("deepseek_v4", "deepseek_v41")
+# Keys the releases and transformers carry that change nothing at inference: accepted silently.
+_METADATA = {
     "architectures", "model_type", "dtype", "torch_dtype", "transformers_version", "auto_map", "use_cache",
-    "vision_config", "image_token_id", "attention_bias", "topk_method", "pad_token_id", "initializer_range",
-    "text_config", "quantization_config", "expert_dtype", "max_position_embeddings",
+    "vision_config", "image_token_id", "attention_dropout", "initializer_range", "pad_token_id",
+    "text_config", "expert_dtype", "output_router_logits", "router_aux_loss_coef", "router_jitter_noise",
 }  # fmt: skip
+# Keys read by the translation of transformers' fields or checked below, though not config fields.
+_TRANSLATED = {
+    "rope_scaling", "layer_types", "mlp_layer_types", "compress_rates", "compress_rate_csa",
+    "compress_rate_hca", "partial_rotary_factor", "rope_parameters",
+}  # fmt: skip
+# Keys with one supported value: anything else would change the numerics this code computes.
+_FIXED = {"attention_bias": False, "mlp_bias": False, "topk_method": "noaux_tc"}
 
 
 @dataclass(frozen=True)
@@ -114,6 +121,8 @@ class ModelConfig:
     dspark_markov_rank: int = 0
     dspark_n_routed_experts: int = 0  # 0: the backbone's
     dspark_num_experts_per_tok: int = 0
+    csa_ratio: int = 4  # V4 kinds by ratio, from transformers' compress_rates
+    hca_ratio: int = 128
     quantization_config: dict[str, Any] | None = field(default=None, compare=False)
 
     @property
@@ -126,8 +135,26 @@ class ModelConfig:
         return self.model_type == "deepseek_v41"
 
     @property
+    def is_dspark(self) -> bool:
+        """DSpark draft stages (V4.1, V4-Flash-0731, V4-Pro-0813): told by the ``dspark_*`` keys."""
+        return bool(self.dspark_target_layer_ids)
+
+    @property
+    def num_draft_layers(self) -> int:
+        return _num_draft_layers(self.dspark_target_layer_ids, self.num_nextn_predict_layers)
+
+    @property
     def num_layers_with_draft(self) -> int:
-        return self.num_hidden_layers + self.num_nextn_predict_layers
+        return self.num_hidden_layers + self.num_draft_layers
+
+    def without_drafts(self) -> ModelConfig:
+        """The backbone alone: for a checkpoint that ships no draft tensors (speculation unavailable)."""
+        return replace(
+            self,
+            num_nextn_predict_layers=0,
+            dspark_target_layer_ids=(),
+            compress_ratios=self.compress_ratios[: self.num_hidden_layers],
+        )
 
     @property
     def fp8_block(self) -> int | None:
@@ -160,41 +187,68 @@ def _parse(raw: dict[str, Any]) -> ModelConfig:
     model_type = {"deepseek_v41_text": "deepseek_v41"}.get(raw.get("model_type", ""), raw.get("model_type"))
     if top.get("model_type") == "deepseek_v41":
         model_type = "deepseek_v41"
-    if model_type not in RATIOS:
+    if model_type not in _MODEL_TYPES:
         raise ValueError(
-            f"config field model_type={model_type!r} is not supported (expected one of {list(RATIOS)})"
+            f"config field model_type={model_type!r} is not supported (expected one of {list(_MODEL_TYPES)})"
         )
     raw["model_type"] = model_type
-    _fold_transformers_fields(raw)
+    for key, supported in _FIXED.items():
+        if key in raw and raw[key] != supported:
+            raise ValueError(f"config field {key}={raw[key]!r} is not supported (only {supported!r})")
+    csa, hca = _fold_transformers_fields(raw)
 
     known = {f.name: f for f in fields(ModelConfig)}
-    if model_type == "deepseek_v41":
-        unknown = sorted(set(raw) - set(known) - _V41_METADATA - {"rope_scaling"})
-        if unknown:
-            raise ValueError(f"config has unknown V4.1 fields {unknown}; refusing to guess their numerics")
-    values: dict[str, Any] = {}
+    derived = {"csa_ratio", "hca_ratio"}
+    unknown = sorted(set(raw) - (set(known) - derived) - _METADATA - _TRANSLATED - set(_FIXED))
+    for key in unknown:  # a release may add metadata: say so, but serve
+        warnings.warn(f"config field {key!r} is not known to this implementation; ignoring it", stacklevel=4)
+    values: dict[str, Any] = {"csa_ratio": csa, "hca_ratio": hca}
     for name, f in known.items():
+        if name in derived:
+            continue
         if name not in raw:
             if f.default is f.default_factory:  # dataclasses.MISSING for both: required field
                 raise ValueError(f"config is missing the required field {name!r}")
             continue
         values[name] = _coerce(name, raw[name], f.type)
-    values["compress_ratios"] = _ratios(raw.get("compress_ratios"), values, RATIOS[model_type])
+    allowed = V41_RATIOS if model_type == "deepseek_v41" else (0, csa, hca)
+    values["compress_ratios"] = _ratios(raw.get("compress_ratios"), values, allowed)
     values["rope_scaling"] = _yarn(raw.get("rope_scaling"))
     cfg = ModelConfig(**values)
     _validate(cfg)
     return cfg
 
 
-def _fold_transformers_fields(raw: dict[str, Any]) -> None:
-    """Translate transformers' modern fields and check they agree with the legacy ones."""
+def _fold_transformers_fields(raw: dict[str, Any]) -> tuple[int, int]:
+    """Translate transformers' modern fields, check they agree with the legacy ones, and return the
+    V4 CSA and HCA ratios (``compress_rates``)."""
+    rates = raw.get("compress_rates", {})
+    if not isinstance(rates, dict) or set(rates) - {_CSA, _HCA}:
+        raise ValueError(f"config field compress_rates={rates!r} must map {_CSA!r} / {_HCA!r} to ratios")
+    rates = {**_DEFAULT_RATES, **rates}
+    for kind, legacy in ((_CSA, "compress_rate_csa"), (_HCA, "compress_rate_hca")):
+        rates[kind] = raw.get(legacy, rates[kind])
+    csa, hca = rates[_CSA], rates[_HCA]
+    if not all(isinstance(r, int) and not isinstance(r, bool) and r >= 2 for r in (csa, hca)) or csa == hca:
+        raise ValueError(
+            f"config compress rates CSA={csa!r} / HCA={hca!r}: both must be distinct integers >= 2 "
+            "(the V4 compressors gate at least two tokens; the kinds are told apart by their ratio)"
+        )
     if "layer_types" in raw:
+        kinds = {_SLIDING: 0, _CSA: csa, _HCA: hca}
         try:
-            ratios = [_LAYER_TYPE_RATIO[t] for t in raw["layer_types"]]
+            ratios = [kinds[t] for t in raw["layer_types"]]
         except (KeyError, TypeError) as e:
             raise ValueError(f"config field layer_types has an unknown entry: {e}") from e
-        if "compress_ratios" in raw and list(raw["compress_ratios"])[: len(ratios)] != ratios:
-            raise ValueError("config fields layer_types and compress_ratios disagree")
+        given = raw.get("compress_ratios")
+        if given is not None:
+            wrong = next((i for i, r in enumerate(ratios) if i >= len(given) or given[i] != r), None)
+            if wrong is not None:
+                raise ValueError(
+                    f"config: layer {wrong} is {raw['layer_types'][wrong]!r} (ratio {ratios[wrong]} with "
+                    f"compress_rates CSA={csa}, HCA={hca}), but compress_ratios[{wrong}] is "
+                    f"{given[wrong] if wrong < len(given) else 'absent'}"
+                )
         raw.setdefault("compress_ratios", ratios)
     if "mlp_layer_types" in raw:
         n_hash = sum(1 for t in raw["mlp_layer_types"] if t == "hash_moe")
@@ -215,6 +269,7 @@ def _fold_transformers_fields(raw: dict[str, Any]) -> None:
         raw.setdefault("rope_scaling", params["compress"])
     elif isinstance(params, dict):
         raw.setdefault("rope_scaling", params)
+    return csa, hca
 
 
 def _coerce(name: str, value: Any, annotation: str) -> Any:
@@ -239,15 +294,36 @@ def _coerce(name: str, value: Any, annotation: str) -> Any:
 
 
 def _ratios(value: Any, values: dict[str, Any], allowed: tuple[int, ...]) -> tuple[int, ...]:
-    n = values["num_hidden_layers"] + values.get("num_nextn_predict_layers", 0)
+    """The backbone's ratios then one 0 per draft layer (model-spec §14, open point 6): the list must
+    cover the backbone, and every entry past it belongs to a draft layer, which is sliding-only."""
+    n_layers = values["num_hidden_layers"]
     if value is None:
         raise ValueError("config is missing the required field 'compress_ratios' (or 'layer_types')")
     if not isinstance(value, (list, tuple)) or not all(isinstance(r, int) for r in value):
         raise ValueError(f"config field compress_ratios={value!r} must be a list of integers")
-    bad = [r for r in value if r not in allowed]
+    if len(value) < n_layers:
+        raise ValueError(
+            f"config field compress_ratios has {len(value)} entries; num_hidden_layers={n_layers} needs one "
+            "per layer"
+        )
+    bad = [r for r in value[:n_layers] if r not in allowed]
     if bad:
         raise ValueError(f"config field compress_ratios has {bad}; ratios of this model must be in {allowed}")
-    return tuple(list(value[:n]) + [0] * max(0, n - len(value)))
+    for i in range(n_layers, len(value)):
+        if value[i] != 0:
+            raise ValueError(
+                f"config field compress_ratios[{i}]={value[i]}: entries past num_hidden_layers={n_layers} "
+                "belong to draft layers, which must be sliding-only (0)"
+            )
+    drafts = _num_draft_layers(
+        values.get("dspark_target_layer_ids", ()), values.get("num_nextn_predict_layers", 0)
+    )
+    return tuple(value[:n_layers]) + (0,) * drafts
+
+
+def _num_draft_layers(dspark_targets: tuple[int, ...], num_nextn_predict_layers: int) -> int:
+    """DSpark has one stage per target layer (V4 releases keep ``num_nextn_predict_layers: 1``)."""
+    return len(dspark_targets) if dspark_targets else num_nextn_predict_layers
 
 
 def _yarn(value: Any) -> Yarn | None:
@@ -330,11 +406,6 @@ def _validate(cfg: ModelConfig) -> None:
             0 <= getattr(cfg, name) < cfg.vocab_size,
             f"{name}={getattr(cfg, name)} is outside the vocabulary [0, {cfg.vocab_size})",
         )
-    for layer in range(cfg.num_hidden_layers, cfg.num_layers_with_draft):
-        need(
-            cfg.compress_ratios[layer] == 0,
-            f"compress_ratios[{layer}]={cfg.compress_ratios[layer]}: draft layers must be sliding-only (0)",
-        )
     # The indexer and top-k kernels' limits, so a checkpoint they cannot serve fails at load.
     need(
         cfg.index_topk <= topk.MAX_K,
@@ -345,6 +416,8 @@ def _validate(cfg: ModelConfig) -> None:
         f"index_n_heads={cfg.index_n_heads} / index_head_dim={cfg.index_head_dim} exceed the indexer kernel "
         f"limits {indexer.MAX_HEADS} / {indexer.MAX_DIM}",
     )
+    if cfg.is_dspark:
+        _validate_dspark(cfg, need)
     if cfg.is_v41:
         _validate_v41(cfg, need)
     else:
@@ -374,7 +447,6 @@ def _validate_v41(cfg: ModelConfig, need: Callable[[bool, str], None]) -> None:
         "kv_source_layer_ids",
         "index_source_layer_ids",
         "engram_layer_ids",
-        "dspark_target_layer_ids",
     ):
         ids = getattr(cfg, name)
         need(list(ids) == sorted(set(ids)), f"{name}={list(ids)} must be sorted and unique")
@@ -427,18 +499,27 @@ def _validate_v41(cfg: ModelConfig, need: Callable[[bool, str], None]) -> None:
             f"engram_pad_token_id={cfg.engram_pad_token_id} is outside the vocabulary [0, {cfg.vocab_size})",
         )
         EngramConfig.from_dict(asdict(cfg))  # the prime layout must give engram_num_embeddings
-    if cfg.num_nextn_predict_layers:
-        need(cfg.dspark_block_size > 0, f"dspark_block_size={cfg.dspark_block_size} must be positive")
-        need(
-            0 <= cfg.dspark_noise_token_id < cfg.vocab_size,
-            f"dspark_noise_token_id={cfg.dspark_noise_token_id} is outside [0, vocab_size={cfg.vocab_size})",
-        )
-        need(
-            bool(cfg.dspark_target_layer_ids), "dspark_target_layer_ids must not be empty with DSpark stages"
-        )
-        need(cfg.dspark_markov_rank > 0, f"dspark_markov_rank={cfg.dspark_markov_rank} must be positive")
-        experts = cfg.dspark_n_routed_experts or cfg.n_routed_experts
-        top_k = cfg.dspark_num_experts_per_tok or cfg.num_experts_per_tok
-        need(
-            top_k <= experts, f"dspark_num_experts_per_tok={top_k} exceeds dspark_n_routed_experts={experts}"
-        )
+    need(
+        cfg.is_dspark or not cfg.num_nextn_predict_layers,
+        f"num_nextn_predict_layers={cfg.num_nextn_predict_layers}: V4.1 draft layers are DSpark stages, "
+        "but dspark_target_layer_ids is empty",
+    )
+
+
+def _validate_dspark(cfg: ModelConfig, need: Callable[[bool, str], None]) -> None:
+    """DSpark of either family (model-spec §8.2)."""
+    ids, n_layers = cfg.dspark_target_layer_ids, cfg.num_hidden_layers
+    need(list(ids) == sorted(set(ids)), f"dspark_target_layer_ids={list(ids)} must be sorted and unique")
+    need(
+        all(0 <= i < n_layers for i in ids),
+        f"dspark_target_layer_ids={list(ids)} must lie in [0, {n_layers})",
+    )
+    need(cfg.dspark_block_size > 0, f"dspark_block_size={cfg.dspark_block_size} must be positive")
+    need(
+        0 <= cfg.dspark_noise_token_id < cfg.vocab_size,
+        f"dspark_noise_token_id={cfg.dspark_noise_token_id} is outside [0, vocab_size={cfg.vocab_size})",
+    )
+    need(cfg.dspark_markov_rank > 0, f"dspark_markov_rank={cfg.dspark_markov_rank} must be positive")
+    experts = cfg.dspark_n_routed_experts or cfg.n_routed_experts
+    top_k = cfg.dspark_num_experts_per_tok or cfg.num_experts_per_tok
+    need(top_k <= experts, f"dspark_num_experts_per_tok={top_k} exceeds dspark_n_routed_experts={experts}")

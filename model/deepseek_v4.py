@@ -1,4 +1,5 @@
-"""DeepSeek V4: embedding, blocks with classic mHC, ``hc_head``, head (model-spec §3.1).
+"""DeepSeek V4: embedding, blocks with classic mHC, ``hc_head``, head (model-spec §3.1); an MTP layer
+(§8.1) or, in the 0731 / 0813 releases, DSpark stages (§8.2) as the draft head.
 
 Module attribute names are the official checkpoint names, so ``state_dict()`` keys are exactly
 the tensors a checkpoint holds (``layers.N.attn.wq_a.weight``, ``mtp.0.e_proj.weight``...).
@@ -12,12 +13,13 @@ import torch
 from torch import nn
 
 from model.attention import V4Attention
-from model.block import MhcBlock
+from model.block import HcHead, MhcBlock
 from model.cache import Batch, SeqCache, SequenceState
 from model.config import ModelConfig
+from model.dspark import DSpark
 from model.layers import RMSNorm, RopeFrequencies, check_token_ids, linear
 from model.plan import LayerPlan, build_plan
-from triton_kernels.mhc import hc_collapse, hc_head_coeffs, hc_update
+from triton_kernels.mhc import hc_collapse, hc_update
 
 
 class Block(MhcBlock):
@@ -36,28 +38,6 @@ class Block(MhcBlock):
         pre, post, comb = self.coeffs(x, "ffn")
         f = self.ffn(self.ffn_norm(hc_collapse(x, pre)), ids)
         return hc_update(x, f, post, comb)
-
-
-class HcHead(nn.Module):
-    """Learned final collapse of the streams (no Sinkhorn)."""
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.cfg = cfg
-        self.hc_head_fn = nn.Parameter(torch.empty(cfg.hc_mult, cfg.hc_mult * cfg.hidden_size))
-        self.hc_head_base = nn.Parameter(torch.empty(cfg.hc_mult))
-        self.hc_head_scale = nn.Parameter(torch.empty(1))
-
-    def collapse(self, x: torch.Tensor) -> torch.Tensor:
-        pre = hc_head_coeffs(
-            x,
-            self.hc_head_fn,
-            self.hc_head_base,
-            self.hc_head_scale,
-            norm_eps=self.cfg.rms_norm_eps,
-            hc_eps=self.cfg.hc_eps,
-        )
-        return hc_collapse(x, pre)
 
 
 class MtpLayer(Block):
@@ -102,7 +82,8 @@ class DeepseekV4(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         backbone = [p for p in self.plan if not p.is_draft]
         self.layers = nn.ModuleList(Block(cfg, p) for p in backbone)
-        self.mtp = nn.ModuleList(MtpLayer(cfg, p) for p in self.plan if p.is_draft)
+        drafts = [p for p in self.plan if p.is_draft]
+        self.mtp = DSpark(cfg, drafts) if cfg.is_dspark else nn.ModuleList(MtpLayer(cfg, p) for p in drafts)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.head = linear(cfg.hidden_size, cfg.vocab_size)
         self.hc_head = HcHead(cfg)
@@ -133,10 +114,15 @@ class DeepseekV4(nn.Module):
         state = state or self.new_state()
         return self.batch_streams(ids, state.batch(ids.shape[0], ids.device))
 
-    def batch_streams(self, ids: torch.Tensor, batch: Batch) -> torch.Tensor:
-        """Streams of the flat tokens of several requests (``batch`` says whose and where their KV is)."""
+    def batch_streams(
+        self, ids: torch.Tensor, batch: Batch, features: list[torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """Streams of the flat tokens of several requests (``batch`` says whose and where their KV is);
+        ``features`` collects DSpark's input, the mean of the streams entering each target layer."""
         x = self.embed(ids)[:, None, :].expand(-1, self.cfg.hc_mult, -1).contiguous()
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
+            if features is not None and i in self.cfg.dspark_target_layer_ids:
+                features.append(x.float().mean(dim=1))
             x = layer(x, ids, batch, self.rope(layer.plan.rope))
         batch.advance()
         return x
@@ -148,9 +134,12 @@ class DeepseekV4(nn.Module):
         self, ids: torch.Tensor, batch: Batch, rows: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The engine's step over a flat multi-request batch: logits ``[len(rows), V]`` at token ``rows``
-        and what the MTP head reads for every token, the backbone streams ``[T, n, D]``."""
-        streams = self.batch_streams(ids, batch)
-        return self.logits(streams[rows]), streams
+        and what the draft head reads for every token: the backbone streams ``[T, n, D]`` (MTP) or the
+        target features ``[T, n_targets, D]`` (DSpark)."""
+        features = [] if self.cfg.is_dspark else None
+        streams = self.batch_streams(ids, batch, features)
+        draft_input = streams if features is None else torch.stack(features, dim=1)
+        return self.logits(streams[rows]), draft_input
 
     def rollback(self, seq: SeqCache, kept: torch.Tensor) -> None:
         """Keep only the tokens ``kept`` of the request's call since ``seq.speculate()``."""

@@ -1,6 +1,10 @@
-"""DSpark draft head of V4.1 (model-spec §8.2): a block of drafted tokens per pass.
+"""DSpark draft head (model-spec §8.2): a block of drafted tokens per pass, for both families.
 
-Stages ``mtp.0..`` are sliding-only V4.1 blocks forming their own single-pass mHC chain. Context
+Stages ``mtp.0..`` are sliding-only blocks. In V4.1 they form their own single-pass mHC chain, have
+no per-head q norm, route over their own experts and collapse with the last FFN pre-mix; in the V4
+family (V4-Flash-0731, V4-Pro-0813) they are classic V4 blocks (per-head q norm, the backbone's
+experts) and the last stage collapses with a learned ``hc_head``. The Markov head's tensors are
+``markov_w1/markov_w2`` in V4 and ``embed/head`` in V4.1. Context
 comes from the backbone: for every committed position p, ``main_x_p = main_norm(main_proj ·
 concat_l mean_k X^(l)_p)`` over the target layers, turned by each stage into a context key
 (``wkv -> kv_norm -> RoPE(p)``) kept for the last W positions. A draft block ``[a, ν, ..., ν]`` at
@@ -17,7 +21,7 @@ import torch
 from torch import nn
 
 from model.attention import SharedKVAttention
-from model.block import MhcBlock, one_hot_premix
+from model.block import HcHead, MhcBlock, one_hot_premix
 from model.config import ModelConfig
 from model.layers import RMSNorm, linear
 from model.plan import LayerPlan
@@ -41,19 +45,34 @@ class Draft:
     confidence: torch.Tensor  # [B] in (0, 1)
 
 
+class MarkovHead(nn.Module):
+    """Two ``[V, R]`` tables: an embedding of the previous token and a rank-to-vocabulary linear."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.names = ("embed", "head") if cfg.is_v41 else ("markov_w1", "markov_w2")
+        for name in self.names:
+            setattr(self, name, linear(cfg.dspark_markov_rank, cfg.vocab_size))
+
+    def tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The embedding and output tables, fp32."""
+        return tuple(getattr(self, name).weight.float() for name in self.names)
+
+
 class DSparkStage(MhcBlock):
     def __init__(self, cfg: ModelConfig, plan: LayerPlan, first: bool, last: bool):
-        super().__init__(cfg, plan, SharedKVAttention(cfg, plan, head_norm=False))
+        super().__init__(cfg, plan, SharedKVAttention(cfg, plan, head_norm=not cfg.is_v41))
+        self.single_pass = cfg.is_v41
         if first:
             self.main_proj = linear(len(cfg.dspark_target_layer_ids) * cfg.hidden_size, cfg.hidden_size)
             self.main_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if last:
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-            self.markov_head = nn.Module()
-            self.markov_head.markov_w1 = linear(cfg.dspark_markov_rank, cfg.vocab_size)
-            self.markov_head.markov_w2 = linear(cfg.dspark_markov_rank, cfg.vocab_size)
+            self.markov_head = MarkovHead(cfg)
             self.confidence_head = nn.Module()
             self.confidence_head.proj = linear(cfg.hidden_size + cfg.dspark_markov_rank, 1)
+            if not self.single_pass:
+                self.hc_head = HcHead(cfg)
 
     def context_keys(
         self, main_x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor
@@ -70,16 +89,23 @@ class DSparkStage(MhcBlock):
         positions: torch.Tensor,
         inv_freq: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Single-pass block over the draft streams ``x [T, n, D]`` of one or more blocks: token t reads the
-        rows ``index[t]`` (-1: none) of ``cat(context, the block tokens' keys)``."""
+        """One block over the draft streams ``x [T, n, D]`` of one or more blocks: token t reads the
+        rows ``index[t]`` (-1: none) of ``cat(context, the block tokens' keys)``. Single-pass mHC
+        collapses each sublayer's input with the pre-mix before it (``carry`` in, the FFN's out);
+        classic mHC with the sublayer's own."""
         attn_pre, post, comb = self.coeffs(x, "attn")
         attn = self.attn
-        _, q, kv = attn.project(self.attn_norm(hc_collapse(x, carry)), positions, inv_freq)
+        collapsed = hc_collapse(x, carry if self.single_pass else attn_pre)
+        _, q, kv = attn.project(self.attn_norm(collapsed), positions, inv_freq)
         pool = KVPool(torch.cat([context, kv]), index)
         x = hc_update(x, attn.output(q, [pool], positions, inv_freq), post, comb)
         ffn_pre, post, comb = self.coeffs(x, "ffn")
-        f = self.ffn(self.ffn_norm(hc_collapse(x, attn_pre)), ids)
+        f = self.ffn(self.ffn_norm(hc_collapse(x, attn_pre if self.single_pass else ffn_pre)), ids)
         return hc_update(x, f, post, comb), ffn_pre
+
+    def collapse(self, x: torch.Tensor, carry: torch.Tensor) -> torch.Tensor:
+        """The last stage's pre-norm hidden: the last FFN pre-mix (V4.1) or the learned ``hc_head`` (V4)."""
+        return hc_collapse(x, carry) if self.single_pass else self.hc_head.collapse(x)
 
 
 class DSpark(nn.ModuleList):
@@ -132,14 +158,14 @@ class DSpark(nn.ModuleList):
             context = torch.cat([s.keys[i] for s in states])
             x, carry = stage(x, carry, ids, context, index, positions, inv_freq)
         last = self[-1]
-        hidden = hc_collapse(x, carry).float().view(n, block, -1)
+        hidden = last.collapse(x, carry).float().view(n, block, -1)
         base = head(last.norm(hidden).to(head.weight.dtype)).float()  # U_k
-        w1, w2 = last.markov_head.markov_w1.weight.float(), last.markov_head.markov_w2.weight.float()
+        markov_embed, markov_out = last.markov_head.tables()
         proj = last.confidence_head.proj.weight.float()
         prev, tokens, logits, confidence = torch.tensor(anchors, device=device), [], [], []
         for k in range(block):
-            mu = w1[prev]  # [n, R]
-            step = base[:, k] + mu @ w2.T
+            mu = markov_embed[prev]  # [n, R]
+            step = base[:, k] + mu @ markov_out.T
             confidence.append(torch.sigmoid(torch.cat([hidden[:, k], mu], dim=1) @ proj.T)[:, 0])
             prev = torch.tensor([sample(i, row) for i, row in enumerate(step)], device=device)
             tokens.append(prev)

@@ -16,7 +16,7 @@ from model.chat_profile import PROFILES, select_chat_profile
 from model.checkpoint import load_model
 from model.deepseek_v4 import DeepseekV4
 from model.tiny import ARCHS, cached_tiny
-from model.tokenizer import load_tokenizer
+from model.tokenizer import load_tokenizer, prompt_ids
 
 
 @torch.no_grad()
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> None:
         text = encode_messages([{"role": "user", "content": args.prompt}], profile=profile)  # BOS included
         prompt = tokenizer.encode(text, add_special_tokens=False).ids
     else:
-        prompt = [model.cfg.bos_token_id, *tokenizer.encode(args.prompt, add_special_tokens=False).ids]
+        prompt = prompt_ids(tokenizer, args.prompt, model.cfg.bos_token_id)
     completion = greedy(model, prompt, args.max_tokens)
     print(args.prompt + tokenizer.decode(completion))
 

@@ -63,9 +63,6 @@ class LayerPlan:
         return self.attention in (Attention.CSA, Attention.HCA, Attention.FULL)
 
 
-_V4_KIND = {0: Attention.SLIDING, 4: Attention.CSA, 128: Attention.HCA}
-
-
 def build_plan(cfg: ModelConfig) -> tuple[LayerPlan, ...]:
     """Plans for the backbone layers followed by the draft (``mtp.*``) layers."""
     return tuple(
@@ -73,26 +70,35 @@ def build_plan(cfg: ModelConfig) -> tuple[LayerPlan, ...]:
     )
 
 
+def _experts(cfg: ModelConfig, is_draft: bool) -> tuple[int, int]:
+    """Routed experts and top-k: DSpark stages may have their own (absent: the backbone's)."""
+    if is_draft and cfg.is_dspark:
+        return (
+            cfg.dspark_n_routed_experts or cfg.n_routed_experts,
+            cfg.dspark_num_experts_per_tok or cfg.num_experts_per_tok,
+        )
+    return cfg.n_routed_experts, cfg.num_experts_per_tok
+
+
 def _v4_layer(cfg: ModelConfig, i: int) -> LayerPlan:
     ratio, is_draft = cfg.compress_ratios[i], i >= cfg.num_hidden_layers
+    kinds = {0: Attention.SLIDING, cfg.csa_ratio: Attention.CSA, cfg.hca_ratio: Attention.HCA}
+    experts, top_k = _experts(cfg, is_draft)
     return LayerPlan(
         index=i,
-        attention=_V4_KIND[ratio],
+        attention=kinds[ratio],
         compress_ratio=ratio,
         rope=Rope.MAIN if ratio == 0 else Rope.COMPRESS,
         hash_moe=not is_draft and i < cfg.num_hash_layers,
         is_draft=is_draft,
-        n_experts=cfg.n_routed_experts,
-        top_k=cfg.num_experts_per_tok,
+        n_experts=experts,
+        top_k=top_k,
     )
 
 
 def _v41_layer(cfg: ModelConfig, i: int) -> LayerPlan:
     ratio, is_draft = cfg.compress_ratios[i], i >= cfg.num_hidden_layers
-    experts, top_k = cfg.n_routed_experts, cfg.num_experts_per_tok
-    if is_draft:
-        experts = cfg.dspark_n_routed_experts or experts
-        top_k = cfg.dspark_num_experts_per_tok or top_k
+    experts, top_k = _experts(cfg, is_draft)
     plan = dict(
         index=i,
         attention=Attention.SLIDING,

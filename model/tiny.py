@@ -1,6 +1,6 @@
 """Tiny random checkpoints in the official naming, for tests and the default server.
 
-``python -m model.tiny --arch v4 --out DIR [--fp8] [--shards N] [--seed S]`` writes
+``python -m model.tiny --arch v4|v4-dspark|v41 --out DIR [--fp8] [--shards N] [--seed S]`` writes
 ``config.json``, safetensors and the project tokenizer. Weights are seeded and deterministic;
 norms, mHC, sinks, ``ape`` and gate biases get non-trivial values (zeros and ones would let an
 implementation that ignores them pass), and one routed expert per layer is scaled so the
@@ -10,6 +10,7 @@ SwiGLU clamp is hit (model-spec §12).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -138,7 +139,19 @@ _FP8_LINEARS = (
 _CLAMPED_EXPERT = 0  # this expert of every layer is scaled up so its SwiGLU clamp is hit
 
 
-ARCHS = ("v4", "v41")
+# The V4-Flash-0731 / V4-Pro-0813 layout: the toy V4 with three DSpark stages instead of MTP, the MTP
+# layer count kept at 1 as in those releases, and one sliding-only ratio per stage.
+TOY_V4_DSPARK = {
+    **TOY_V4,
+    "compress_ratios": [0, 0, 4, 128, 4, 128, 0, 0, 0],
+    "dspark_block_size": 5,
+    "dspark_target_layer_ids": [3, 4, 5],
+    "dspark_markov_rank": 16,
+}
+ARCHS = ("v4", "v4-dspark", "v41")
+# Bump when the writer's output changes for the same config (tensor names, weight init): the cached
+# checkpoints of older formats are then left alone instead of read back.
+TINY_FORMAT = 2
 
 
 def toy_config(arch: str) -> dict:
@@ -146,6 +159,12 @@ def toy_config(arch: str) -> dict:
     tokenizer = load_tokenizer()
     if arch == "v4":
         return {**TOY_V4, "vocab_size": tokenizer.get_vocab_size()}
+    if arch == "v4-dspark":
+        return {
+            **TOY_V4_DSPARK,
+            "vocab_size": tokenizer.get_vocab_size(),
+            "dspark_noise_token_id": NOISE_TOKEN_ID,
+        }
     if arch != "v41":
         raise ValueError(f"unknown tiny architecture {arch!r} (available: {ARCHS})")
     text = {
@@ -248,9 +267,11 @@ def write_tiny(out: str | Path, arch: str = "v4", fp8: bool = False, shards: int
 
 
 def cached_tiny(arch: str) -> Path:
-    """The tiny checkpoint of ``arch`` in the user cache, written on first use."""
+    """The tiny checkpoint of ``arch`` in the user cache, written on first use; the folder is named by
+    the writer's format and a hash of the config, so a checkpoint of another format is never read."""
     root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "deepseek-ascend"
-    path = root / f"tiny-{arch}"
+    digest = hashlib.sha256(json.dumps(toy_config(arch), sort_keys=True).encode()).hexdigest()[:12]
+    path = root / f"tiny-{arch}-v{TINY_FORMAT}-{digest}"
     if not (path / "config.json").exists():
         root.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(dir=root))  # renamed into place whole: no half-written checkpoint

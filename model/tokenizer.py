@@ -110,6 +110,17 @@ def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
     return Tokenizer.from_file(str(path))
 
 
+def prompt_ids(tokenizer: Tokenizer, text: str, bos_id: int, add_bos: bool = True) -> list[int]:
+    """The prompt of ``text`` for every entry point (offline, server, ``model.generate``): BOS exactly once.
+
+    The tokenizer's own post-processor is bypassed (every official tokenizer.json adds a BOS, the
+    project's adds none), and a text that already starts with BOS (a pre-rendered chat prompt) gets
+    no second one; ``add_bos=False`` takes the text's tokens as they are.
+    """
+    ids = tokenizer.encode_batch([text], add_special_tokens=False)[0].ids  # encode_batch frees the GIL
+    return [bos_id, *ids] if add_bos and ids[:1] != [bos_id] else ids
+
+
 def write_tokenizer(out_dir: str | Path) -> None:
     """Put the shipped tokenizer.json and a matching tokenizer_config.json into a checkpoint directory."""
     out_dir = Path(out_dir)
@@ -147,9 +158,7 @@ class TextTokenizer:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
-        # add_special_tokens=False: an official tokenizer.json's post-processor would add a second BOS.
-        ids = self.backend.encode(text, add_special_tokens=False).ids
-        return [self.bos_id, *ids] if add_bos else ids
+        return prompt_ids(self.backend, text, self.bos_id, add_bos)
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         # The backend silently drops unknown ids and cannot take negative ones: check them here instead.

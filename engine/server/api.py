@@ -38,7 +38,7 @@ from engine.server.protocol import (
 )
 from model.chat import ChatFormatError, check_tools, encode_messages, loads_strict
 from model.chat_profile import ChatProfile, EffortError, select_chat_profile
-from model.tokenizer import THINK_END, TextTokenizer
+from model.tokenizer import THINK_END, TextTokenizer, prompt_ids
 
 log = logging.getLogger(__name__)
 
@@ -175,18 +175,13 @@ class OpenAIServer:
             raise APIError(f"the model {name!r} does not exist", 404, param="model", code="model_not_found")
         return parsed
 
-    def encode(self, text: str, param: str) -> list[int]:
-        """Token ids of `text` (no special tokens added); a text too long to fit the context whatever its
-        tokens is refused first."""
+    def text_prompt(self, text: str, add_bos: bool = True, param: str = "prompt") -> list[int]:
+        """The prompt ids of `text` (model/tokenizer.prompt_ids); a text too long to fit the context
+        whatever its tokens is refused before the tokenizer runs over it."""
         limit = self.engine.config.max_model_len
         if self.max_token_bytes is not None and len(text.encode()) > limit * self.max_token_bytes:
             raise APIError(f"the prompt has more than {limit} tokens, the context limit", param=param)
-        return self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids  # frees the GIL
-
-    def text_prompt(self, text: str, add_bos: bool = True, param: str = "prompt") -> list[int]:
-        ids = self.encode(text, param)
-        bos = self.cfg.bos_token_id
-        return [bos, *ids] if add_bos and ids[:1] != [bos] else ids
+        return prompt_ids(self.tokenizer, text, self.cfg.bos_token_id, add_bos)
 
     def max_tokens(self, requested: int | None, prompt: list[int], param: str) -> int:
         room = self.engine.config.max_model_len - len(prompt)
@@ -328,7 +323,7 @@ class OpenAIServer:
             raise APIError(str(err), param=err.where) from None
 
     def chat_ids(self, body: ChatCompletionRequest | TokenizeRequest, mode: str, schema: Any) -> list[int]:
-        return self.encode(self.chat_prompt(body, mode, schema), "messages")
+        return self.text_prompt(self.chat_prompt(body, mode, schema), add_bos=False, param="messages")
 
     # ---- the rest -------------------------------------------------------------------------------------
     async def tokenize(self, request: Request) -> Response:

@@ -34,9 +34,31 @@ def build_proposer(
         if k is None:
             raise ValueError("a given proposer needs num_speculative_tokens")
         return given, k
+    if method is not None:
+        _check_draft_head(method, model)
     if method == "mtp":
         return MtpProposer(model, pools, sampler, k or 1), k or 1
     if method == "dspark":
         k = k or model.cfg.dspark_block_size
         return DSparkProposer(model, sampler, k, config.dspark_min_confidence), k
     return None, 0
+
+
+def _check_draft_head(method: str, model: DeepseekV4 | DeepseekV41) -> None:
+    """The draft head ``method`` needs is the one the checkpoint has."""
+    cfg = model.cfg
+    if not cfg.num_draft_layers:
+        raise ValueError(
+            f"speculative_method={method!r}: this checkpoint has no draft tensors (mtp.*), so speculative "
+            "decoding is unavailable; serve it without a speculative method"
+        )
+    if method == "mtp" and cfg.is_dspark:
+        raise ValueError(
+            "speculative_method='mtp': this checkpoint's draft head is DSpark (its config has dspark_* "
+            "keys), not a V4 MTP layer; use speculative_method='dspark'"
+        )
+    if method == "dspark" and not cfg.is_dspark:
+        raise ValueError(
+            "speculative_method='dspark': this checkpoint has a V4 MTP draft layer and no DSpark stages "
+            "(no dspark_* keys); use speculative_method='mtp'"
+        )

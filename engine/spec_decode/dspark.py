@@ -1,5 +1,6 @@
-"""V4.1 DSpark proposer (model-spec §8.2): a block of drafts per request from the context keys of its
-committed positions; the confidence head can shorten what is verified.
+"""DSpark proposer (model-spec §8.2; V4.1 and the V4-Flash-0731 / V4-Pro-0813 releases): a block of
+drafts per request from the context keys of its committed positions; the confidence head can shorten
+what is verified.
 
 Context keys are only ever added for committed positions, so nothing of the draft needs rolling
 back. With ``min_confidence`` > 0, a request verifies the longest draft prefix whose product of
@@ -14,15 +15,18 @@ import torch
 from engine.request import Proposal
 from engine.sampler import Sampler
 from engine.spec_decode.proposer import Observation, Proposer
+from model.deepseek_v4 import DeepseekV4
 from model.deepseek_v41 import DeepseekV41
-from model.dspark import Draft, DSparkState
+from model.dspark import Draft, DSpark, DSparkState
 
 
 class DSparkProposer(Proposer):
-    def __init__(self, model: DeepseekV41, sampler: Sampler, num_tokens: int, min_confidence: float = 0.0):
-        if not isinstance(model, DeepseekV41) or model.mtp is None:
+    def __init__(
+        self, model: DeepseekV4 | DeepseekV41, sampler: Sampler, num_tokens: int, min_confidence: float = 0.0
+    ):
+        if not isinstance(model.mtp, DSpark):
             raise ValueError(
-                "speculative method 'dspark' needs a DeepSeek V4.1 checkpoint with DSpark stages"
+                "speculative method 'dspark' needs a checkpoint with DSpark stages (dspark_* keys)"
             )
         block = model.cfg.dspark_block_size
         if not 1 <= num_tokens <= block:

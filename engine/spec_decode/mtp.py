@@ -22,7 +22,7 @@ from model.deepseek_v4 import DeepseekV4
 
 class MtpProposer(Proposer):
     def __init__(self, model: DeepseekV4, pools: KVPools, sampler: Sampler, num_tokens: int):
-        if not isinstance(model, DeepseekV4) or not len(model.mtp):
+        if not isinstance(model, DeepseekV4) or model.cfg.is_dspark or not len(model.mtp):
             raise ValueError("speculative method 'mtp' needs a DeepSeek V4 checkpoint with an MTP layer")
         self.model, self.pools, self.sampler = model, pools, sampler
         self.layer = model.mtp[0]  # later drafts chain the same block

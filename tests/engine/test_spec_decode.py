@@ -20,10 +20,10 @@ from model.tokenizer import load_tokenizer
 LENGTHS = [1, 2, 3, 7, 16, 31, 60, 100, 120, 123, 124, 125, 126, 127, 200, 300]
 MAX_TOKENS = 16
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-METHOD = {"v4": "mtp", "v41": "dspark"}
+METHOD = {"v4": "mtp", "v4-dspark": "dspark", "v41": "dspark"}
 
 
-@pytest.fixture(scope="module", params=["v4", "v41"])
+@pytest.fixture(scope="module", params=list(METHOD))
 def tiny(request):
     path = cached_tiny(request.param)
     return request.param, load_model(path), load_tokenizer(path)
@@ -89,7 +89,7 @@ def test_scripted_drafts_keep_greedy_output(tiny, reference, where):
     """Right drafts, wrong ones, and drafts wrong exactly on the token that closes a compressor window
     (the call computed an entry that must vanish) or on the one right after (the entry stays)."""
     batch, outputs, steps_off = reference
-    ratio = 4 if tiny[0] == "v4" else 2  # ratio 128 closes at multiples of 4 too
+    ratio = 2 if tiny[0] == "v41" else 4  # ratio 128 closes at multiples of 4 too
     rules = {
         "never": lambda r, pos: False,
         "always": lambda r, pos: True,
@@ -140,10 +140,16 @@ class Recording(Proposer):
         self.inner.release(request_id)
 
 
+def dspark_features(model, committed: torch.Tensor) -> torch.Tensor:
+    """DSpark's input for every committed token, computed from scratch."""
+    batch = model.new_state().batch(len(committed), committed.device)
+    return model.batch_forward(committed, batch, torch.tensor([len(committed) - 1]))[1]
+
+
 def fresh_first_draft_logits(arch: str, model, tokens: list[int]) -> torch.Tensor:
     """The draft head's first-draft logits after ``tokens`` (the last one pending), from scratch."""
     committed = torch.tensor(tokens[:-1])
-    if arch == "v4":
+    if METHOD[arch] == "mtp":
         streams = model.hidden_streams(committed)
         layer = model.mtp[0]
         batch = model.new_state().batch(len(committed), committed.device)
@@ -151,7 +157,7 @@ def fresh_first_draft_logits(arch: str, model, tokens: list[int]) -> torch.Tenso
             streams, torch.tensor(tokens[1:]), batch, model.rope(layer.plan.rope), model.embed, model.head
         )
         return logits[-1]
-    features = model.run(committed).target_features
+    features = dspark_features(model, committed)
     inv_freq = model.rope(model.mtp[0].plan.rope)
     state = model.mtp.new_state(committed.device)
     model.mtp.add_context(features, state, inv_freq)
@@ -165,7 +171,7 @@ def test_draft_caches_hold_exactly_the_committed_tokens(tiny, reference):
     batch, outputs, _ = reference
     picked = [0, 4, 9, 13]  # lengths 1, 16, 123, 127
     spec = engine(tiny)
-    rule = {"v4": lambda r, pos: pos % 3 == 0, "v41": lambda r, pos: pos % 4 == 1}[arch]
+    rule = (lambda r, pos: pos % 4 == 1) if METHOD[arch] == "dspark" else (lambda r, pos: pos % 3 == 0)
     ref = dict(zip(map(tuple, batch), outputs, strict=True))
     spec.proposer = recording = Recording(spec.proposer, scripted(ref, rule))
     got, _ = run(spec, [batch[i] for i in picked], GREEDY)
@@ -194,24 +200,27 @@ def test_seeded_sampling_with_drafts_is_reproducible(tiny, reference):
 
 def test_bad_speculative_config(tiny):
     arch, model, tokenizer = tiny
-    other = "dspark" if arch == "v4" else "mtp"
-    with pytest.raises(ValueError, match=other):
+    other = "dspark" if METHOD[arch] == "mtp" else "mtp"
+    with pytest.raises(
+        ValueError, match=f"speculative_method='{other}'.*use speculative_method='{METHOD[arch]}'"
+    ):
         LLMEngine(model, tokenizer, EngineConfig(speculative_method=other))
     with pytest.raises(ValueError, match="speculative_method='eagle'"):
         EngineConfig(speculative_method="eagle")
     with pytest.raises(ValueError, match=r"num_speculative_tokens=0 must be in \[1, 16\]"):
         EngineConfig(speculative_method=METHOD[arch], num_speculative_tokens=0)
-    if arch == "v41":
+    if METHOD[arch] == "dspark":
         with pytest.raises(ValueError, match=r"num_speculative_tokens=6 must be in \[1, 5\]"):
             LLMEngine(model, tokenizer, EngineConfig(speculative_method="dspark", num_speculative_tokens=6))
 
 
-def test_dspark_confidence_picks_the_verify_length():
+@pytest.mark.parametrize("arch", ["v4-dspark", "v41"])
+def test_dspark_confidence_picks_the_verify_length(arch):
     """With a threshold, a request verifies the longest prefix whose confidence product stays above it."""
-    model = load_model(cached_tiny("v41"))
+    model = load_model(cached_tiny(arch))
     prompt = prompts(model.cfg.vocab_size)[6]
     committed = torch.tensor(prompt[:-1])
-    features = model.run(committed).target_features
+    features = dspark_features(model, committed)
     inv_freq = model.rope(model.mtp[0].plan.rope)
     state = model.mtp.new_state(committed.device)
     model.mtp.add_context(features, state, inv_freq)
@@ -240,3 +249,36 @@ def test_preempted_speculating_requests_start_over_cleanly(tiny, reference):
     spec = engine(tiny, kv_cache_memory=(peak + 2) * probe.cache.block_bytes)
     assert run(spec, batch, GREEDY)[0] == outputs
     assert spec.scheduler.preemptions > 0 and spec.spec_stats.verify_steps > 0
+
+
+@pytest.mark.parametrize(
+    ("arch", "names"),
+    [
+        ("v4-dspark", ["mtp.2.markov_head.markov_w1.weight", "mtp.2.markov_head.markov_w2.weight",
+                       "mtp.2.hc_head.hc_head_fn", "mtp.1.ffn.gate.weight"]),
+        ("v41", ["mtp.2.markov_head.embed.weight", "mtp.2.markov_head.head.weight",
+                 "mtp.2.hc_ffn_fn", "mtp.1.ffn.gate.weight"]),
+    ],
+)  # fmt: skip
+def test_dspark_drafts_read_each_family_tensor(arch, names):
+    """The draft distributions depend on the Markov tables, the final collapse and the stage routers
+    of each family, under the family's own tensor names."""
+    model = load_model(cached_tiny(arch))
+    prompt = prompts(model.cfg.vocab_size)[6]
+    features = dspark_features(model, torch.tensor(prompt[:-1]))
+    inv_freq = model.rope(model.mtp[0].plan.rope)
+
+    def draft_logits() -> torch.Tensor:
+        state = model.mtp.new_state(features.device)
+        model.mtp.add_context(features, state, inv_freq)
+        return model.mtp.propose([prompt[-1]], [state], model.embed, model.head, inv_freq)[0].logits
+
+    clean = draft_logits()
+    params = dict(model.named_parameters())
+    for name in names:
+        saved = params[name].detach().clone()
+        params[name].data.mul_(-1.5)
+        changed = draft_logits()
+        params[name].data.copy_(saved)
+        assert not torch.allclose(changed, clean), name
+    torch.testing.assert_close(draft_logits(), clean, rtol=0, atol=0)

@@ -29,17 +29,43 @@ def test_toy_plan():
     assert cfg.rope_scaling is not None and cfg.rope_scaling.factor == 16
 
 
-def test_short_ratio_list_is_padded_and_long_one_truncated():
-    assert ModelConfig.from_dict({**RAW, "compress_ratios": [0, 0, 4]}).compress_ratios == (
-        0,
-        0,
-        4,
-        0,
-        0,
-        0,
-        0,
-    )
-    assert len(ModelConfig.from_dict({**RAW, "compress_ratios": [0] * 20}).compress_ratios) == 7
+def test_ratio_list_is_neither_padded_nor_truncated():
+    """Open point 6: the backbone needs all its entries; entries past it are the draft layers' zeros."""
+    with pytest.raises(ValueError, match="compress_ratios has 3 entries; num_hidden_layers=6"):
+        ModelConfig.from_dict({**RAW, "compress_ratios": [0, 0, 4]})
+    backbone = RAW["compress_ratios"][:6]
+    for extra in ([], [0], [0, 0, 0]):  # V4-Flash carries one 0 per draft layer, 0731 three
+        cfg = ModelConfig.from_dict({**RAW, "compress_ratios": backbone + extra})
+        assert cfg.compress_ratios == (*backbone, 0)
+    with pytest.raises(ValueError, match=r"compress_ratios\[8\]=4: .*draft layers"):
+        ModelConfig.from_dict({**RAW, "compress_ratios": [*backbone, 0, 0, 4]})
+
+
+def test_transformers_layer_types_with_other_compress_rates():
+    """transformers' layer kinds with their ratios (here HCA 16, CSA 8): the kernels take any ratio >= 2."""
+    modern = {k: v for k, v in RAW.items() if k != "compress_ratios"}
+    layer_types = ["sliding_attention"] * 2 + [
+        "compressed_sparse_attention",
+        "heavily_compressed_attention",
+    ] * 2
+    rates = {"compressed_sparse_attention": 8, "heavily_compressed_attention": 16}
+    cfg = ModelConfig.from_dict({**modern, "layer_types": layer_types, "compress_rates": rates})
+    assert cfg.compress_ratios == (0, 0, 8, 16, 8, 16, 0)
+    kinds = [p.attention for p in build_plan(cfg)]
+    assert kinds == [Attention.SLIDING] * 2 + [Attention.CSA, Attention.HCA] * 2 + [Attention.SLIDING]
+    legacy = {**modern, "layer_types": layer_types, "compress_rate_hca": 16}
+    assert ModelConfig.from_dict(legacy).compress_ratios == (0, 0, 4, 16, 4, 16, 0)
+    both = {**RAW, "layer_types": layer_types, "compress_rates": {"heavily_compressed_attention": 16}}
+    with pytest.raises(ValueError, match=r"layer 3 is 'heavily_compressed_attention' \(ratio 16.*is 128"):
+        ModelConfig.from_dict(both)
+    with pytest.raises(ValueError, match="distinct integers >= 2"):
+        ModelConfig.from_dict(
+            {
+                **modern,
+                "layer_types": layer_types,
+                "compress_rates": {**rates, "compressed_sparse_attention": 16},
+            }
+        )
 
 
 def test_wrapped_official_and_transformers_spellings_agree():
@@ -77,8 +103,14 @@ def test_wrapped_official_and_transformers_spellings_agree():
         ({"scoring_func": "softmax"}, "scoring_func"),
         ({"rope_scaling": {"type": "linear", "factor": 2}}, "rope_scaling"),
         ({"compress_ratios": [0, 0, 4, 128, 4, 128, 4]}, "draft layers"),
+        (
+            {"compress_ratios": [0, 0, 4, 16, 4, 128, 0]},
+            r"\[16\]; ratios of this model must be in \(0, 4, 128\)",
+        ),
+        ({"attention_bias": True}, "attention_bias=True is not supported"),
+        ({"topk_method": "greedy"}, "topk_method"),
         ({"eos_token_id": 5000}, "eos_token_id"),
-        ({"layer_types": ["sliding_attention"] * 6}, "disagree"),
+        ({"layer_types": ["sliding_attention"] * 6}, r"layer 2 is 'sliding_attention' \(ratio 0"),
         ({"quantization_config": {"weight_block_size": [32, 64]}}, "weight_block_size"),
     ],
 )
