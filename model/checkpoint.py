@@ -20,11 +20,14 @@ from model.deepseek_v41 import DeepseekV41
 from model.engram import compressed_token_map
 from model.quant import dequantize_fp4, dequantize_fp8
 from model.tokenizer import load_tokenizer
+from triton_kernels import runtime
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 DRAFT_PREFIX = "mtp."
 COMPUTE_DTYPES = (torch.float32, torch.bfloat16)
+DTYPE_NAMES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float": torch.float32}
+DEVICES = ("npu", "cuda", "cpu")
 _TEXT_ONLY_SKIPS = re.compile(r"(\.gate\.bias_vl(\.|$)|^(vision|aligner)\.|^image_(start|newline|end)\b)")
 _FP4 = re.compile(r"\.experts\.\d+\.w[123]\.weight$")  # routed experts: packed E2M1 codes
 # Kept in fp32 whatever the compute dtype (model-spec §9.1): mHC, sinks, compressor position bias, gate
@@ -108,6 +111,25 @@ def build_model(cfg: ModelConfig, path: str | Path) -> DeepseekV4 | DeepseekV41:
         token_map, _ = compressed_token_map(load_tokenizer(path))
     with torch.device("meta"):
         return DeepseekV41(cfg, token_map) if cfg.is_v41 else DeepseekV4(cfg)
+
+
+def placement(
+    device: str | None = None, dtype: str | torch.dtype = "auto"
+) -> tuple[torch.device, torch.dtype]:
+    """Where and in what the model computes: ``device`` one of DEVICES (None: the one present) and
+    ``dtype`` auto (bf16 on npu / cuda, fp32 on cpu), bfloat16 or float32 (names or torch dtypes)."""
+    present = runtime.backend()
+    device = device or present
+    if device not in DEVICES:
+        raise ValueError(f"device={device!r}: one of {', '.join(DEVICES)}")
+    if device not in ("cpu", present):
+        raise ValueError(f"device={device!r}: this machine has no {device} device (found: {present})")
+    name = str(dtype).removeprefix("torch.")
+    if name == "auto":
+        return torch.device(device), torch.float32 if device == "cpu" else torch.bfloat16
+    if name not in DTYPE_NAMES:
+        raise ValueError(f"dtype={name!r}: the model computes in bfloat16 or float32 (or auto), not {name}")
+    return torch.device(device), DTYPE_NAMES[name]
 
 
 def load_model(

@@ -10,10 +10,11 @@ import re
 import pytest
 import torch
 
-from model.checkpoint import load_model, read_tensors
+from model.checkpoint import load_model, placement, read_tensors
 from model.tiny import cached_tiny
 from tests.model.hf_oracle import transformers_model
 from tests.model.test_conformance_v4 import oracle_logits, prompt
+from triton_kernels import runtime
 
 # model-spec §9.1: mHC, sinks, compressor position bias and gate bias are fp32; norm weights (Engram's
 # q/k norms included) are applied in fp32. Every other floating tensor computes in the model's dtype.
@@ -29,6 +30,20 @@ BF16_CLASSES = {
     "v4": ("embed.weight", "head.weight", ".experts.", ".gate.weight", ".weights_proj.", "mtp.0.e_proj."),
     "v41": ("embed.weight", ".engram.embed.", ".engram.wkv.", ".indexer.wk.", "markov_head", "confidence"),
 }
+
+
+def test_placement_defaults_to_bf16_on_an_accelerator_and_fp32_on_cpu(monkeypatch):
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(runtime, "backend", lambda: "cpu")
+    assert placement() == (cpu, torch.float32)
+    assert placement("cpu", "bfloat16") == placement("cpu", torch.bfloat16) == (cpu, torch.bfloat16)
+    with pytest.raises(ValueError, match="no npu device"):
+        placement("npu")
+    with pytest.raises(ValueError, match="dtype='float16'"):
+        placement(None, "float16")
+    monkeypatch.setattr(runtime, "backend", lambda: "cuda")
+    assert placement() == (torch.device("cuda"), torch.bfloat16)
+    assert placement("cpu") == (cpu, torch.float32)
 
 
 def fp32_class(name: str) -> str | None:
