@@ -55,7 +55,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--chat-encoding", choices=PROFILES, help="with --chat: override the checkpoint's")
     args = parser.parse_args(argv)
     path = Path(args.model) if args.model else cached_tiny(args.arch)
-    device, dtype = placement(args.device, args.dtype)
+    try:
+        device, dtype = placement(args.device, args.dtype)
+    except ValueError as err:
+        parser.error(str(err))
     model = load_model(path, dtype, device)
     tokenizer = load_tokenizer(path / "tokenizer.json")
     if args.chat:
