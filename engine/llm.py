@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from tqdm import tqdm
 
 from engine.config import SPECULATIVE_ALIASES, EngineConfig
@@ -20,7 +21,7 @@ from engine.llm_engine import LLMEngine
 from engine.request import Request, SamplingParams
 from model.chat import encode_messages
 from model.chat_profile import select_chat_profile
-from model.checkpoint import load_model
+from model.checkpoint import load_model, placement
 from model.tokenizer import load_tokenizer, prompt_ids
 
 Prompt = str | list[int] | dict[str, Any]
@@ -50,7 +51,8 @@ class LLM:
         model: str | Path | None = None,
         *,
         tensor_parallel_size: int = 1,
-        dtype: str = "auto",
+        dtype: str | torch.dtype = "auto",
+        device: str | None = None,
         speculative_config: dict[str, Any] | None = None,
         chat_encoding: str | None = None,
         trust_remote_code: bool = False,
@@ -58,12 +60,12 @@ class LLM:
         **engine_args: Any,
     ):
         """``engine_args`` are EngineConfig's fields (vLLM's names: ``max_model_len``, ``max_num_seqs``,
-        ``max_num_batched_tokens``, ``block_size``, ``seed``, ...); ``trust_remote_code`` and
+        ``max_num_batched_tokens``, ``block_size``, ``seed``, ...); ``dtype`` auto is bfloat16 on npu / cuda
+        and float32 on cpu, ``device`` defaults to the accelerator present; ``trust_remote_code`` and
         ``enforce_eager`` are accepted as vLLM's and change nothing here."""
         if tensor_parallel_size != 1:
             raise ValueError(f"tensor_parallel_size={tensor_parallel_size}: one device for now (1)")
-        if dtype not in ("auto", "float32"):
-            raise ValueError(f"dtype={dtype!r}: the model computes in float32 for now (auto or float32)")
+        where, compute_dtype = placement(device, dtype)
         known = {f.name for f in dataclasses.fields(EngineConfig)}
         if unknown := sorted(set(engine_args) - known):
             raise ValueError(f"unknown engine arguments {unknown}; known: {sorted(known)}")
@@ -79,7 +81,7 @@ class LLM:
             from model.tiny import cached_tiny
 
             model = cached_tiny("v41")
-        built = load_model(model)
+        built = load_model(model, compute_dtype, where)
         self.engine = LLMEngine(built, load_tokenizer(model), EngineConfig(**engine_args))
         self.chat_profile = select_chat_profile(built.cfg.model_type, Path(model), chat_encoding)
 

@@ -52,7 +52,8 @@ class Indexer41(nn.Module):
             self.k_norm = RMSNorm(self.dim, cfg.rms_norm_eps)
 
     def keys(self, latent: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-        return apply_rope(self.k_norm(self.wk(latent)), positions, inv_freq)
+        # The compressor's latents are fp32 whatever the compute dtype.
+        return apply_rope(self.k_norm(self.wk(latent.to(self.wk.weight.dtype))), positions, inv_freq)
 
     def queries(
         self, x: torch.Tensor, q_r: torch.Tensor, batch: Batch, inv_freq: torch.Tensor

@@ -95,10 +95,11 @@ class DeepseekV4(nn.Module):
 
     def checkpoint_names(self) -> dict[str, tuple[int, ...]]:
         """Official tensor names and their shapes, as this model loads them."""
-        return {_official(name): tuple(t.shape) for name, t in self.state_dict().items()}
+        return {name: tuple(t.shape) for name, t in self.official_state().items()}
 
-    def load_official(self, tensors: dict[str, torch.Tensor]) -> None:
-        self.load_state_dict({_internal(name): t for name, t in tensors.items()}, strict=True)
+    def official_state(self) -> dict[str, torch.Tensor]:
+        """The checkpointed tensors by official name, sharing their storage (the loader fills them)."""
+        return {_official(name): t for name, t in self.state_dict().items()}
 
     def new_state(self) -> SequenceState:
         """A request served by the model alone (its KV in a private store)."""
@@ -156,7 +157,3 @@ class DeepseekV4(nn.Module):
 # The official names put the ``hc_head_*`` tensors directly on the model (and on ``mtp.0``).
 def _official(name: str) -> str:
     return re.sub(r"(^|\.)hc_head\.", r"\1", name)
-
-
-def _internal(name: str) -> str:
-    return re.sub(r"(^|\.)hc_head_", r"\1hc_head.hc_head_", name)

@@ -84,10 +84,11 @@ class DeepseekV41(nn.Module):
         self.hasher = EngramHasher.build(self.engram_config, self.token_map, self.rope.main.device)
 
     def checkpoint_names(self) -> dict[str, tuple[int, ...]]:
-        return {name: tuple(t.shape) for name, t in self.state_dict().items()}
+        return {name: tuple(t.shape) for name, t in self.official_state().items()}
 
-    def load_official(self, tensors: dict[str, torch.Tensor]) -> None:
-        self.load_state_dict(tensors, strict=True)
+    def official_state(self) -> dict[str, torch.Tensor]:
+        """The checkpointed tensors (official names are the module names here), sharing their storage."""
+        return self.state_dict()
 
     def new_state(self) -> SequenceState:
         """A request served by the model alone (its KV in a private store)."""

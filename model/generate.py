@@ -13,7 +13,7 @@ import torch
 
 from model.chat import encode_messages
 from model.chat_profile import PROFILES, select_chat_profile
-from model.checkpoint import load_model
+from model.checkpoint import DEVICES, load_model, placement
 from model.deepseek_v4 import DeepseekV4
 from model.tiny import ARCHS, cached_tiny
 from model.tokenizer import load_tokenizer, prompt_ids
@@ -29,15 +29,16 @@ def greedy(model: DeepseekV4, prompt: list[int], max_new_tokens: int, use_cache:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be non-negative")
     state = model.new_state() if use_cache else None
     tokens, out = list(prompt), []
-    step = torch.tensor(tokens)
+    device = model.embed.weight.device
+    step = torch.tensor(tokens, device=device)
     for _ in range(max_new_tokens):
-        logits = model(step, state) if use_cache else model(torch.tensor(tokens))
+        logits = model(step, state) if use_cache else model(torch.tensor(tokens, device=device))
         token = int(logits[-1].argmax())
         out.append(token)
         tokens.append(token)
         if token == model.cfg.eos_token_id:
             break
-        step = torch.tensor([token])
+        step = torch.tensor([token], device=device)
     return out
 
 
@@ -47,11 +48,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--arch", default="v4", choices=ARCHS)
     parser.add_argument("--prompt", default="The quick brown fox")
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--device", choices=DEVICES, help="default: the accelerator present, else cpu")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                        help="auto: bfloat16 on npu / cuda, float32 on cpu")  # fmt: skip
     parser.add_argument("--chat", action="store_true", help="send the prompt as a user message, chat-encoded")
     parser.add_argument("--chat-encoding", choices=PROFILES, help="with --chat: override the checkpoint's")
     args = parser.parse_args(argv)
     path = Path(args.model) if args.model else cached_tiny(args.arch)
-    model = load_model(path)
+    try:
+        device, dtype = placement(args.device, args.dtype)
+    except ValueError as err:
+        parser.error(str(err))
+    model = load_model(path, dtype, device)
     tokenizer = load_tokenizer(path / "tokenizer.json")
     if args.chat:
         profile = select_chat_profile(model.cfg.model_type, path, args.chat_encoding)

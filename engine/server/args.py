@@ -1,7 +1,7 @@
 """The server's command line: vLLM's `serve` flags for what the project supports, with vLLM's names,
 meanings and defaults, so a vLLM launch line works unchanged; the project's own flags beside them.
 
-Flags for what the project does not do yet (several devices, bf16, an fp8 KV cache) are accepted with
+Flags for what the project does not do yet (several devices, float16, an fp8 KV cache) are accepted with
 their neutral value and refused, naming the flag, with any other; flags that change nothing here
 (`--trust-remote-code`, `--enforce-eager`) are accepted. `--config FILE` reads flags from YAML (keys are
 the long flag names); the command line wins over the file.
@@ -74,7 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument(
         "--trust-remote-code", action="store_true", help="accepted: the model code is built in"
     )
-    model.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "half"])
+    model.add_argument("--dtype", default="auto",
+                       choices=["auto", "bfloat16", "float32", "float", "float16", "half"],
+                       help="compute dtype; auto: bfloat16 on npu / cuda, float32 on cpu")  # fmt: skip
+    model.add_argument("--device", choices=["npu", "cuda", "cpu"],
+                       help="where the model runs (default: the accelerator present, else cpu)")  # fmt: skip
     model.add_argument("--quantization", "-q", help="must name the checkpoint's own format (fp8), if given")
     model.add_argument("--max-model-len", type=parse_count, default=EngineConfig.max_model_len,
                        help="prompt + completion limit, e.g. 4096 or 64k (default: 4096)")  # fmt: skip
@@ -188,8 +192,8 @@ def _check(args: argparse.Namespace) -> None:
     for name in ("tensor", "data", "pipeline"):
         if (size := getattr(args, f"{name}_parallel_size")) != 1:
             raise ValueError(f"--{name}-parallel-size={size}: this server runs on one device for now (1)")
-    if args.dtype not in ("auto", "float32"):
-        raise ValueError(f"--dtype={args.dtype}: the model computes in float32 for now (auto or float32)")
+    if args.dtype in ("float16", "half"):
+        raise ValueError(f"--dtype={args.dtype}: the model computes in bfloat16 or float32 (or auto)")
     if args.kv_cache_dtype != "auto":
         raise ValueError(f"--kv-cache-dtype={args.kv_cache_dtype}: only auto (the model's own cache formats)")
     if args.gpu_memory_utilization is not None:

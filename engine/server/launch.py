@@ -22,7 +22,7 @@ from engine.server.args import non_default
 from engine.server.protocol import GENERATION_FIELDS
 from engine.server.shutdown import FLUSH_TIMEOUT, GracefulServer
 from model.chat_profile import select_chat_profile
-from model.checkpoint import load_model
+from model.checkpoint import load_model, placement
 from model.config import ModelConfig
 from model.tiny import cached_tiny
 from model.tokenizer import load_tokenizer
@@ -72,7 +72,8 @@ def start_engine(args: argparse.Namespace, path: Path) -> LLMEngine:
         raise ValueError(
             f"--quantization={args.quantization}: the checkpoint is stored as {stored or 'unquantized'}"
         )
-    model = load_model(path)
+    device, dtype = placement(args.device, args.dtype)
+    model = load_model(path, dtype, device)
     weight_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     config = EngineConfig(args.max_num_seqs, args.max_num_batched_tokens, args.max_model_len, args.block_size,
                           kv_cache_bytes(args, weight_bytes), args.seed, args.speculative_method,
@@ -131,6 +132,7 @@ def serve(args: argparse.Namespace, sock: socket.socket) -> None:
     kernels = f"{len(tuned)} tuned files in {tuned[0].parent}" if tuned else "heuristic defaults (none tuned)"
     announce = "\n".join([
         f"deepseek-ascend {version('deepseek-ascend')}; non-default flags: {non_default(args) or 'none'}",
+        f"Model on {engine.runner.device} in {engine.model.embed.weight.dtype}",
         plan_line(engine),
         f"Chat encoding: {chat.name}" + (" (--chat-encoding)" if args.chat_encoding else ""),
         f"Kernel configs for {runtime.sku()}: {kernels}",

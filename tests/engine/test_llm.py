@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine.llm import LLM
 from engine.request import SamplingParams
 from model.chat import encode_messages
+from model.generate import greedy
 from model.tiny import cached_tiny
 from model.tokenizer import prompt_ids
 
@@ -58,9 +60,21 @@ def test_chat_renders_with_the_checkpoints_encoding(llm: LLM):
 
 @pytest.mark.parametrize(
     ("kwargs", "named"),
-    [({"tensor_parallel_size": 2}, "tensor_parallel_size=2"), ({"dtype": "bfloat16"}, "dtype"),
+    [({"tensor_parallel_size": 2}, "tensor_parallel_size=2"), ({"dtype": "float16"}, "dtype='float16'"),
+     ({"device": "tpu"}, "device='tpu'"),
      ({"max_batch": 3}, "max_batch"), ({"speculative_config": {"method": "eagle"}}, "speculative_config")],
 )  # fmt: skip
 def test_unsupported_engine_arguments_are_errors(kwargs: dict, named: str):
     with pytest.raises(ValueError, match=named):
         LLM(model=cached_tiny("v41"), **kwargs)
+
+
+def test_a_bf16_engine_run_agrees_with_the_model_alone():
+    """The engine's paged bf16 path gives the greedy tokens of the bf16 model run by itself."""
+    llm = LLM(model=cached_tiny("v41"), dtype="bfloat16", max_model_len=512, kv_cache_memory=32 * 2**20)
+    engine = llm.engine
+    assert engine.model.embed.weight.dtype == engine.runner.pools.buffer.dtype == torch.bfloat16
+    [result] = llm.generate("Hello", SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
+    tokens = result.outputs[0].token_ids
+    print(f"bf16 engine greedy: {tokens} {result.outputs[0].text!r}")
+    assert tokens == greedy(engine.model, result.prompt_token_ids, 8)

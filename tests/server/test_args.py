@@ -48,7 +48,8 @@ def test_a_yaml_config_under_the_command_line(tmp_path):
     ("argv", "named"),
     [
         (["--tensor-parallel-size", "2"], "--tensor-parallel-size=2"),
-        (["--dtype", "bfloat16"], "--dtype=bfloat16"),
+        (["--dtype", "float16"], "--dtype=float16"),
+        (["--device", "tpu"], "invalid choice: 'tpu'"),
         (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype=fp8"),
         (["--num-speculative-tokens", "2"], "--num-speculative-tokens needs a method"),
         (["--speculative-config", '{"method": "eagle"}'], "method='eagle'"),

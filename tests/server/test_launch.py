@@ -49,6 +49,17 @@ def test_vllm_launch_line_serves_unchanged(tmp_path):
     assert "non-default flags:" in log and "maximum concurrency" in log
 
 
+def test_bf16_serves_a_request(tmp_path):
+    with serving(tmp_path / "server.log", "--dtype", "bfloat16", "--device", "cpu") as (served, _):
+        completion = served.client().completions.create(
+            model=served.client().models.list().data[0].id, prompt="Hello", max_tokens=4, temperature=0.0
+        )
+        assert (
+            completion.choices[0].finish_reason in ("stop", "length") and completion.usage.completion_tokens
+        )
+    assert "Model on cpu in torch.bfloat16" in (tmp_path / "server.log").read_text()
+
+
 def test_a_port_in_use_fails_at_once_naming_it():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
