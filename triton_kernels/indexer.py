@@ -162,7 +162,7 @@ def _validate(
     for name, numel in (("keys", keys.numel()), ("logits", t * pool.capacity), ("candidates", positions)):
         if numel > _MAX_NUMEL:
             raise ValueError(f"{name}: {numel} elements exceeds the limit {_MAX_NUMEL}")
-    if t > 0:
+    if t > 0 and runtime.check_ranges():
         _check_ranges(queries, pool, candidates, cand_block)
 
 

@@ -141,7 +141,8 @@ def _validate(
         for name, x in (("positions", positions), ("inv_freq", inv_freq)):
             if x.device != q.device:
                 raise ValueError(f"{name}: device {x.device} differs from q's device {q.device}")
-    _check_slots(pools)
+    if runtime.check_ranges():
+        _check_slots(pools)
 
 
 def _check_slots(pools: Sequence[KVPool]) -> None:
