@@ -227,12 +227,12 @@ class Batch:
         """Slots of each token's entry numbers ``[T, K]`` in its request's compressed group."""
         return self.slots(group_name(ratio), self.request[:, None].expand_as(numbers), numbers)
 
-    def store(self, pool: torch.Tensor, ratio: int, b: int, first: int, rows: torch.Tensor) -> None:
-        """Write request ``b``'s entries ``first, first+1, ...`` into ``pool``."""
+    def store(
+        self, pool: torch.Tensor, ratio: int, request: torch.Tensor, numbers: torch.Tensor, rows: torch.Tensor
+    ) -> None:
+        """Write ``rows [E, c]``, entries ``numbers [E]`` of the requests ``request [E]``, into ``pool``."""
         if rows.shape[0]:
-            numbers = torch.arange(first, first + rows.shape[0], device=rows.device)
-            slots = self.slots(group_name(ratio), torch.full_like(numbers, b), numbers)
-            pool[slots] = rows.to(pool.dtype)
+            pool[self.slots(group_name(ratio), request, numbers)] = rows.to(pool.dtype)
 
     def key_pool(self, layer: int, ratio: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Index keys of compressing ``layer`` as the indexer ops read them: pool, block table, block size."""

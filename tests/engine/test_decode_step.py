@@ -1,6 +1,7 @@
-"""The model forward of an engine step reads nothing back from the device.
+"""A decode step of several requests: its model forward reads nothing back from the device, and launches
+the compressor once per compressing layer whatever the number of requests.
 
-What is measured: one decode step of several requests of different lengths, with every operator on
+What the read test measures: one decode step of several requests of different lengths, with every operator on
 its Triton kernel (``DSV4_TRITON_ON_CPU=1``, interpreted), as the engine runs on an NPU or a GPU.
 Inside ``batch_forward`` a dispatch hook records every ``aten._local_scalar_dense`` (what ``.item()``,
 ``int(t)``, ``bool(t)`` and a scalar ``.tolist()`` call) and patched ``Tensor.tolist`` / ``Tensor.cpu``
@@ -23,10 +24,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.request import SamplingParams
+from model import compressor
 from model.checkpoint import load_model
 from model.tiny import cached_tiny
 from model.tokenizer import load_tokenizer
 from triton_kernels import runtime
+from triton_kernels.compressor import compress
 
 LENGTHS = (3, 9, 17, 30)
 # A scalar read, and the ops whose output shape depends on the data (the host waits for it).
@@ -72,17 +75,23 @@ def recorded(hook: HostReads, name: str, method):
     return run
 
 
-@pytest.mark.parametrize("arch", ["v4", "v41"])
-def test_decode_step_forward_reads_nothing_back(arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def decoding(arch: str, lengths: tuple[int, ...]) -> LLMEngine:
+    """An engine whose requests have all prefilled: its next step decodes one token of each."""
     path = cached_tiny(arch)
     model, tokenizer = load_model(path), load_tokenizer(path)
     engine = LLMEngine(model, tokenizer, EngineConfig(max_num_batched_tokens=256))
     gen = torch.Generator().manual_seed(3)
-    for n in LENGTHS:
+    for n in lengths:
         prompt = torch.randint(3, model.cfg.vocab_size, (n,), generator=gen).tolist()
         engine.add_request(prompt, SamplingParams(max_tokens=4, temperature=0.0))
-    engine.step()  # every prompt prefills in this step; the next one decodes them all
+    engine.step()
+    return engine
 
+
+@pytest.mark.parametrize("arch", ["v4", "v41"])
+def test_decode_step_forward_reads_nothing_back(arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = decoding(arch, LENGTHS)
+    model = engine.runner.model
     hook = HostReads()
     forward = model.batch_forward
 
@@ -107,3 +116,21 @@ def test_decode_step_forward_reads_nothing_back(arch: str, monkeypatch: pytest.M
     elsewhere = [read for read in hook.reads if "'moe.py'" not in read]
     print(f"{arch}: {len(hook.reads) - len(elsewhere)} reads in the float MoE, {len(elsewhere)} elsewhere")
     assert elsewhere == [], "\n".join(elsewhere)
+
+
+@pytest.mark.parametrize("arch", ["v4", "v41"])
+def test_compressor_launches_do_not_grow_with_the_requests(
+    arch: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = []
+    monkeypatch.setattr(
+        compressor, "compress", lambda *args: calls.append(args[2].start.numel()) or compress(*args)
+    )
+    per_step = []
+    for lengths in (LENGTHS[:1], LENGTHS):
+        engine = decoding(arch, lengths)
+        calls.clear()
+        engine.step()
+        assert sum(calls) == len(calls) * len(lengths)  # every call holds every request
+        per_step.append(len(calls))
+    assert per_step[0] > 0 and per_step[1] == per_step[0], per_step
