@@ -1,11 +1,15 @@
 """Offline throughput of the engine next to transformers, and V4.1 decode step time against context.
 
-``python -m benchmarks.offline_throughput [--requests 64] [--max-tokens 16] [--contexts 1024 4096 16384]``
+``python -m benchmarks.offline_throughput [--equal 8 128 64] [--requests 64] [--max-tokens 16]
+[--contexts 1024 4096 16384]``
 
-1. Output tokens/s of ``LLMEngine`` on the tiny V4 checkpoint for requests of mixed lengths, next to
-   transformers' ``DeepseekV4ForCausalLM.generate`` (greedy, one request at a time: its V4 cache
-   has no padding support) on the same checkpoint and prompts, printed as a ratio.
-2. The decode step time of the tiny V4.1 at several context lengths: with sparse attention and the
+1. Output tokens/s of ``LLMEngine`` on the tiny V4 checkpoint for equal prompts (8 x 128 tokens, 64 new
+   each by default) next to transformers' batched ``DeepseekV4ForCausalLM.generate`` over the same
+   prompts (one ``[8, 128]`` batch: equal lengths need no padding), both greedy; the ratio, and whether
+   the outputs are identical.
+2. The same for requests of mixed lengths, transformers one request at a time (its V4 cache has no
+   padding support, so batching them is not an option).
+3. The decode step time of the tiny V4.1 at several context lengths: with sparse attention and the
    two-level indexer it should stay nearly flat.
 Both are measured side by side in one run; the numbers are for this machine only.
 """
@@ -34,7 +38,12 @@ def mixed_prompts(count: int, vocab: int, seed: int = 0) -> list[list[int]]:
     return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
 
 
-def engine_throughput(path: Path, prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
+def equal_prompts(count: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (count, length), generator=gen).tolist()
+
+
+def engine_throughput(path: Path, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
     engine = LLMEngine(load_model(path), load_tokenizer(path), EngineConfig(max_num_batched_tokens=2048))
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     start = time.perf_counter()
@@ -42,24 +51,48 @@ def engine_throughput(path: Path, prompts: list[list[int]], max_tokens: int) -> 
     while engine.has_work:
         engine.step()
     seconds = time.perf_counter() - start
-    return seconds, sum(len(r.output) for r in requests)
+    return seconds, [list(r.output) for r in requests]
 
 
-def transformers_throughput(path: Path, prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
+def transformers_model(path: Path):
     from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
     config = DeepseekV4Config(**json.loads((path / "config.json").read_text()))
     config._attn_implementation = "eager"
     model = DeepseekV4ForCausalLM(config).float().eval()
     model.load_state_dict(to_transformers(read_tensors(path)), strict=True)
-    tokens = 0
+    # No end-of-sequence token: like the engine's ``ignore_eos``, every request makes all its tokens.
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = None, 0
+    return model
+
+
+def transformers_throughput(
+    path: Path, prompts: list[list[int]], max_tokens: int, batched: bool
+) -> tuple[float, list[list[int]]]:
+    """Greedy ``generate``: all prompts as one batch (``batched``, equal lengths) or one at a time."""
+    model = transformers_model(path)
+    groups = [prompts] if batched else [[p] for p in prompts]
+    outputs = []
     start = time.perf_counter()
     with torch.no_grad():
-        for p in prompts:
-            out = model.generate(torch.tensor([p]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                                 do_sample=False)  # fmt: skip
-            tokens += out.shape[1] - len(p)
-    return time.perf_counter() - start, tokens
+        for group in groups:
+            out = model.generate(torch.tensor(group), max_new_tokens=max_tokens, do_sample=False)
+            outputs += out[:, len(group[0]) :].tolist()
+    return time.perf_counter() - start, outputs
+
+
+def compare(label: str, path: Path, prompts: list[list[int]], max_tokens: int, batched: bool) -> None:
+    ours, our_out = engine_throughput(path, prompts, max_tokens)
+    theirs, their_out = transformers_throughput(path, prompts, max_tokens, batched)
+    ours_rate = sum(map(len, our_out)) / ours
+    their_rate = sum(map(len, their_out)) / theirs
+    mode = "batched" if batched else "one request at a time"
+    print(f"tiny V4, {label}, {max_tokens} new tokens each, greedy:")
+    print(f"  engine        {ours_rate:8.1f} output tok/s ({ours:.1f} s)")
+    print(f"  transformers  {their_rate:8.1f} output tok/s ({theirs:.1f} s, {mode})")
+    print(f"  ratio engine / transformers = {ours_rate / their_rate:.2f}")
+    same = sum(a == b for a, b in zip(our_out, their_out, strict=True))
+    print(f"  outputs {'identical' if same == len(prompts) else 'DIFFER'}: {same} of {len(prompts)} requests")
 
 
 def decode_step_ms(path: Path, context: int, steps: int = 8) -> float:
@@ -79,19 +112,19 @@ def decode_step_ms(path: Path, context: int, steps: int = 8) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--equal", type=int, nargs=3, default=[8, 128, 64], metavar=("N", "LEN", "NEW"))
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--contexts", type=int, nargs="*", default=[1024, 4096, 16384])
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         v4, v41 = write_tiny(Path(tmp) / "v4", "v4"), write_tiny(Path(tmp) / "v41", "v41")
-        prompts = mixed_prompts(args.requests, load_tokenizer().get_vocab_size())
-        ours, ours_tokens = engine_throughput(v4, prompts, args.max_tokens)
-        theirs, their_tokens = transformers_throughput(v4, prompts, args.max_tokens)
-        print(f"tiny V4, {args.requests} requests, {args.max_tokens} tokens each:")
-        print(f"  engine        {ours_tokens / ours:8.1f} output tok/s ({ours:.1f} s)")
-        print(f"  transformers  {their_tokens / theirs:8.1f} output tok/s ({theirs:.1f} s)")
-        print(f"  ratio engine / transformers = {(ours_tokens / ours) / (their_tokens / theirs):.2f}")
+        vocab = load_tokenizer().get_vocab_size()
+        count, length, new = args.equal
+        compare(f"{count} prompts x {length} tokens", v4, equal_prompts(count, length, vocab), new, True)
+        if args.requests:
+            mixed = mixed_prompts(args.requests, vocab)
+            compare(f"{args.requests} mixed requests", v4, mixed, args.max_tokens, False)
         print("tiny V4.1 decode step time (one request):")
         for context in args.contexts:
             print(f"  context {context:6d}: {decode_step_ms(v41, context):7.1f} ms/step")

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from model.cache import Batch
-from model.compressor import Compressor, CompressorState
+from model.compressor import Compressor
 from model.config import ModelConfig
 from model.layers import RMSNorm, linear
 from model.plan import LayerPlan
@@ -21,20 +21,6 @@ from triton_kernels.quant import quantize_int8
 from triton_kernels.rmsnorm import rms_norm
 from triton_kernels.rope import apply_rope
 from triton_kernels.sparse_attn import KVPool, sparse_attention
-
-
-def compress_requests(
-    compressor: Compressor,
-    x: torch.Tensor,
-    batch: Batch,
-    states: list[CompressorState],
-    inv_freq: torch.Tensor | None,
-) -> list[tuple[torch.Tensor, int]]:
-    """Each request's new entries (rotated when ``inv_freq`` is given) and the number of its first one."""
-    return [
-        compressor.pool(x[lo:hi], state, inv_freq)
-        for (lo, hi), state in zip(batch.bounds, states, strict=True)
-    ]
 
 
 class Indexer(nn.Module):
@@ -59,8 +45,8 @@ class Indexer(nn.Module):
         """Store the index keys of the groups ``x`` closes in the layer's key pool."""
         layer, pool = self.plan.index, batch.pools.index_keys[self.plan.index]
         states = [seq.indexers.setdefault(layer, self.compressor.new_state(x.device)) for seq in batch.seqs]
-        for b, (keys, first) in enumerate(compress_requests(self.compressor, x, batch, states, inv_freq)):
-            batch.store(pool, self.plan.compress_ratio, b, first, keys)
+        keys, request, numbers = self.compressor.pool_batch(x, batch.bounds, states, inv_freq)
+        batch.store(pool, self.plan.compress_ratio, request, numbers, keys)
 
     def _operands(
         self, x: torch.Tensor, q_r: torch.Tensor, batch: Batch, inv_freq: torch.Tensor
@@ -158,10 +144,8 @@ class V4Attention(SharedKVAttention):
                 seq.compressors.setdefault(plan.index, self.compressor.new_state(x.device))
                 for seq in batch.seqs
             ]
-            for b, (entries, first) in enumerate(
-                compress_requests(self.compressor, x, batch, states, inv_freq)
-            ):
-                batch.store(pool, ratio, b, first, entries)
+            entries, request, numbers = self.compressor.pool_batch(x, batch.bounds, states, inv_freq)
+            batch.store(pool, ratio, request, numbers, entries)
             if plan.has_indexer:
                 self.indexer.compress(x, batch, inv_freq)
                 numbers = self.indexer(x, q_r, batch, inv_freq)

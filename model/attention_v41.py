@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from model.attention import SharedKVAttention, compress_requests
+from model.attention import SharedKVAttention
 from model.cache import Batch
 from model.compressor import Compressor
 from model.config import ModelConfig
@@ -116,15 +116,9 @@ class V41Attention(SharedKVAttention):
         states = [
             seq.compressors.setdefault(plan.index, self.compressor.new_state(x.device)) for seq in batch.seqs
         ]
-        for b, (latent, first) in enumerate(compress_requests(self.compressor, x, batch, states, None)):
-            positions = (first + torch.arange(latent.shape[0], device=x.device)) * ratio
-            batch.store(
-                batch.pools.entries[plan.index], ratio, b, first, apply_rope(latent, positions, inv_freq)
-            )
-            batch.store(
-                batch.pools.index_keys[plan.index],
-                ratio,
-                b,
-                first,
-                self.indexer.keys(latent, positions, inv_freq),
-            )
+        latent, request, numbers = self.compressor.pool_batch(x, batch.bounds, states)
+        positions = numbers * ratio
+        entries = apply_rope(latent, positions, inv_freq)
+        batch.store(batch.pools.entries[plan.index], ratio, request, numbers, entries)
+        keys = self.indexer.keys(latent, positions, inv_freq)
+        batch.store(batch.pools.index_keys[plan.index], ratio, request, numbers, keys)

@@ -177,6 +177,7 @@ class Batch:
         for g in pools.groups:
             rows = [s.tables[g.name] + [-1] * (width - len(s.tables[g.name])) for s in seqs]
             tables[g.name] = torch.tensor(rows, dtype=torch.int64).view(len(seqs), width)
+        _check_tables(tables, pools.num_blocks)
         window = pools.cfg.sliding_window
         back = positions[:, None] - torch.arange(window)
         batch = cls(pools, seqs, list(zip((ends - counts).tolist(), ends.tolist(), strict=True)), positions,
@@ -226,12 +227,12 @@ class Batch:
         """Slots of each token's entry numbers ``[T, K]`` in its request's compressed group."""
         return self.slots(group_name(ratio), self.request[:, None].expand_as(numbers), numbers)
 
-    def store(self, pool: torch.Tensor, ratio: int, b: int, first: int, rows: torch.Tensor) -> None:
-        """Write request ``b``'s entries ``first, first+1, ...`` into ``pool``."""
+    def store(
+        self, pool: torch.Tensor, ratio: int, request: torch.Tensor, numbers: torch.Tensor, rows: torch.Tensor
+    ) -> None:
+        """Write ``rows [E, c]``, entries ``numbers [E]`` of the requests ``request [E]``, into ``pool``."""
         if rows.shape[0]:
-            numbers = torch.arange(first, first + rows.shape[0], device=rows.device)
-            slots = self.slots(group_name(ratio), torch.full_like(numbers, b), numbers)
-            pool[slots] = rows.to(pool.dtype)
+            pool[self.slots(group_name(ratio), request, numbers)] = rows.to(pool.dtype)
 
     def key_pool(self, layer: int, ratio: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Index keys of compressing ``layer`` as the indexer ops read them: pool, block table, block size."""
@@ -241,6 +242,16 @@ class Batch:
             self.tables[name].to(torch.int32),
             self.pools.slots_per_block[name],
         )
+
+
+def _check_tables(tables: dict[str, torch.Tensor], num_blocks: int) -> None:
+    """Block ids in ``[-1, num_blocks)``, checked on the host where the tables are built: every slot the
+    ops read or write derives from them, so the ops need no range check of their own (one per call, a
+    device-to-host read each, behind ``DSV4_CHECK_RANGES``)."""
+    for name, table in tables.items():
+        if table.numel() and (int(table.min()) < -1 or int(table.max()) >= num_blocks):
+            low, high = int(table.min()), int(table.max())
+            raise ValueError(f"{name} block table: ids [{low}, {high}] must lie in [-1, {num_blocks})")
 
 
 class PrivateStore:

@@ -10,7 +10,7 @@ the entries of a one-shot pass.
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -41,7 +41,9 @@ class CompressorState:
 
     def speculate(self) -> None:
         """Journal the next calls, so that ``rollback`` can keep a prefix of their tokens."""
-        self.journal = Journal(copy.deepcopy(self.pending), self.num_tokens)
+        # Cloned field by field: the state may be a row view of a batch's stacked states.
+        saved = CompressorStates(*(None if t is None else t.clone() for t in vars(self.pending).values()))
+        self.journal = Journal(saved, self.num_tokens)
 
     def rollback(self, keep: int) -> None:
         """The state as if only the first ``keep`` tokens since ``speculate`` had come: the saved state
@@ -82,25 +84,63 @@ class Compressor(nn.Module):
     def pool(
         self, x: torch.Tensor, state: CompressorState, inv_freq: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, int]:
-        """Normed entries ``[E, c]`` (fp32) of the groups that ``x [S, D]`` closes, and the first one's index.
+        """One request's entries (as ``pool_batch``) of the groups ``x [S, D]`` closes, and the first one's
+        index."""
+        first = state.num_tokens // self.ratio
+        entries, _, _ = self.pool_batch(x, [(0, x.shape[0])], [state], inv_freq)
+        return entries, first
+
+    def pool_batch(
+        self,
+        x: torch.Tensor,
+        bounds: list[tuple[int, int]],
+        states: list[CompressorState],
+        inv_freq: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Normed entries ``[E, c]`` (fp32) of the groups that each request's rows ``x[lo:hi]`` close, with
+        the request ``[E]`` and the number ``[E]`` of each: one projection and one ``compress`` for all.
 
         Entries are rotated at their group's first position when ``inv_freq`` is given (V4), the
         un-rotated latents otherwise (V4.1 derives its index keys from them).
         """
-        start = state.num_tokens
-        first = start // self.ratio
-        positions = torch.arange(start, start + x.shape[0], dtype=torch.int32, device=x.device)
-        closed = (positions + 1) // self.ratio  # groups closed once each token is in
-        slots = torch.where((positions + 1) % self.ratio == 0, closed - 1 - first, -1).to(torch.int32)
-        entries = torch.empty((start + x.shape[0]) // self.ratio - first, self.dim, device=x.device)
-        params = CompressorParams(
-            self.ratio, self.overlap, self.norm.weight, self.norm.eps, getattr(self, "ape", None), inv_freq
+        r, device, n = self.ratio, x.device, len(states)
+        starts = torch.tensor([s.num_tokens for s in states], dtype=torch.int64)
+        lengths = torch.tensor([hi - lo for lo, hi in bounds], dtype=torch.int64)
+        firsts, counts = starts // r, (starts + lengths) // r - starts // r
+        # Host metadata: each token's position, and its entry's row in the output where it closes a group.
+        token_request = torch.repeat_interleave(torch.arange(n), lengths)
+        token_base, entry_base = lengths.cumsum(0) - lengths, counts.cumsum(0) - counts
+        positions = starts[token_request] + torch.arange(len(token_request)) - token_base[token_request]
+        row = entry_base[token_request] + (positions + 1) // r - 1 - firsts[token_request]
+        slots = torch.where((positions + 1) % r == 0, row, -1)
+        request = torch.repeat_interleave(torch.arange(n), counts)
+        numbers = firsts[request] + torch.arange(len(request)) - entry_base[request]
+        cu = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
+        meta = torch.cat([cu, starts, torch.arange(n), slots]).to(torch.int32).to(device)
+        batch = CompressBatch(
+            meta[: n + 1], meta[n + 1 : 2 * n + 1], meta[2 * n + 1 : 3 * n + 1], meta[3 * n + 1 :]
         )
-        kv, gate = self.wkv(x), self.wgate(x) if self.ratio > 1 else None
-        if state.journal is not None:
-            state.journal.params = params
-            state.journal.kv.append(kv)
-            state.journal.gate.extend([] if gate is None else [gate])
-        compress(kv, gate, CompressBatch.single(start, slots), state.pending, params, entries)
-        state.num_tokens += x.shape[0]
-        return entries, first
+        stacked = _stacked([s.pending for s in states])
+        params = CompressorParams(
+            r, self.overlap, self.norm.weight, self.norm.eps, getattr(self, "ape", None), inv_freq
+        )
+        kv, gate = self.wkv(x), self.wgate(x) if r > 1 else None
+        entries = torch.empty(len(request), self.dim, device=device)
+        compress(kv, gate, batch, stacked, params, entries)
+        for b, (state, (lo, hi)) in enumerate(zip(states, bounds, strict=True)):
+            if state.journal is not None:
+                state.journal.params = params
+                state.journal.kv.append(kv[lo:hi])
+                state.journal.gate.extend([] if gate is None else [gate[lo:hi]])
+            # Each request keeps its row of the stacked state: a view, no copy.
+            state.pending = CompressorStates(
+                *(None if t is None else t[b : b + 1] for t in vars(stacked).values())
+            )
+            state.num_tokens += hi - lo
+        return entries, request.to(device), numbers.to(device)
+
+
+def _stacked(states: list[CompressorStates]) -> CompressorStates:
+    """The requests' one-row states as the rows of one state, in order."""
+    fields = [[getattr(s, f.name) for s in states] for f in dataclasses.fields(CompressorStates)]
+    return CompressorStates(*(None if rows[0] is None else torch.cat(rows) for rows in fields))

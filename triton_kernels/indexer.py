@@ -162,7 +162,7 @@ def _validate(
     for name, numel in (("keys", keys.numel()), ("logits", t * pool.capacity), ("candidates", positions)):
         if numel > _MAX_NUMEL:
             raise ValueError(f"{name}: {numel} elements exceeds the limit {_MAX_NUMEL}")
-    if t > 0:
+    if t > 0 and runtime.check_ranges():
         _check_ranges(queries, pool, candidates, cand_block)
 
 
@@ -273,14 +273,25 @@ def _load_query(q_ptr, qs_ptr, w_ptr, t, H, D, QUANT: tl.constexpr, HP: tl.const
 
 @triton.jit
 def _score_keys(
-    q, w, k_ptr, ks_ptr, table_row, block_size, pos, valid, D, QUANT: tl.constexpr, DP: tl.constexpr
+    q,
+    w,
+    k_ptr,
+    ks_ptr,
+    table_row,
+    block_size,
+    pos,
+    valid,
+    D,
+    key_stride,
+    QUANT: tl.constexpr,
+    DP: tl.constexpr,
 ):
     """Logits of the entries ``pos`` (``-inf`` where not ``valid``) gathered through the block table."""
     # Invalid lanes read table entry 0 and key slot 0 (Ascend drops these gathers' masks).
     safe = tl.where(valid, pos, 0)
     entry = tl.load(table_row + safe // block_size, mask=valid, other=0)  # in-bounds: invalid lanes at 0
     slot = tl.where(valid, entry * block_size + safe % block_size, 0)
-    keys = gather_rows(k_ptr, slot, valid, tl.arange(0, DP), D, D == DP)
+    keys = gather_rows(k_ptr, slot, valid, tl.arange(0, DP), D, key_stride, D == DP)
     if QUANT:
         # relu(qs * ks * dot) = qs * ks * relu(dot): both scales are >= 0.
         dots = tl.dot(q, tl.trans(keys), out_dtype=tl.int32).to(tl.float32)
@@ -307,6 +318,7 @@ def _indexer_logits_kernel(
     T,
     H,
     D,
+    key_stride,
     block_size,
     max_blocks,
     width,
@@ -322,7 +334,7 @@ def _indexer_logits_kernel(
         q, w = _load_query(q_ptr, qs_ptr, w_ptr, t, H, D, QUANT, HP, DP)
         table_row = table_ptr + tl.load(req_ptr + t) * max_blocks
         valid = pos < tl.load(vis_ptr + t)
-        logits = _score_keys(q, w, k_ptr, ks_ptr, table_row, block_size, pos, valid, D, QUANT, DP)
+        logits = _score_keys(q, w, k_ptr, ks_ptr, table_row, block_size, pos, valid, D, key_stride, QUANT, DP)
         tl.store(out_ptr + t * width + pos, logits, mask=pos < width)
 
 
@@ -343,6 +355,7 @@ def _indexer_topk_kernel(
     T,
     H,
     D,
+    key_stride,
     block_size,
     max_blocks,
     n_cand,
@@ -376,7 +389,9 @@ def _indexer_topk_kernel(
             else:
                 pos = c
                 valid = c < n
-            logits = _score_keys(q, w, k_ptr, ks_ptr, table_row, block_size, pos, valid, D, QUANT, DP)
+            logits = _score_keys(
+                q, w, k_ptr, ks_ptr, table_row, block_size, pos, valid, D, key_stride, QUANT, DP
+            )
             tl.store(row + c, logits, mask=c < n)
         tl.debug_barrier()  # logits are written before any lane selects from them
         if MODE == 2:
@@ -396,8 +411,18 @@ def _operands(queries: IndexQueries, pool: KeyPool) -> tuple[torch.Tensor, ...]:
     w = queries.weights.contiguous()
     qs = w if queries.scale is None else queries.scale.contiguous()
     ks = w if pool.scale is None else pool.scale.contiguous()
-    q, keys = queries.q.contiguous(), pool.keys.contiguous()
-    return q, qs, w, keys, ks, pool.block_table.contiguous(), queries.request, queries.visible
+    # The key pool is a column range of the cache buffer: its rows are read at their stride, never copied.
+    keys = pool.keys if pool.keys.stride(1) == 1 else pool.keys.contiguous()
+    return (
+        queries.q.contiguous(),
+        qs,
+        w,
+        keys,
+        ks,
+        pool.block_table.contiguous(),
+        queries.request,
+        queries.visible,
+    )
 
 
 def _tiles(queries: IndexQueries) -> dict[str, int]:
@@ -416,12 +441,14 @@ def indexer_logits_triton(queries: IndexQueries, pool: KeyPool) -> torch.Tensor:
     if t > 0 and width > 0:
         quant = queries.q.dtype == torch.int8
         spec, tuned = (KERNELS[1], _logits_int8) if quant else (KERNELS[0], _logits_float)
+        operands = _operands(queries, pool)
         tuned[lambda meta: runtime.grid(spec, t * triton.cdiv(width, meta["BLOCK_N"]))](
-            *_operands(queries, pool),
+            *operands,
             out,
             t,
             h,
             d,
+            operands[3].stride(0),
             pool.block_size,
             pool.block_table.shape[1],
             width,
@@ -453,8 +480,9 @@ def _launch_topk(
     stride = width + (triton.cdiv(width, cand_block) if mode == _SOURCE else 0)
     scratch = torch.empty((grid[0], max(1, stride)), dtype=torch.float32, device=device)
     cand = out if candidates is None else candidates.contiguous()  # never read outside MODE 2
+    operands = _operands(queries, pool)
     _TOPK_TUNED[quant][grid](
-        *_operands(queries, pool),
+        *operands,
         cand,
         scratch,
         out,
@@ -462,6 +490,7 @@ def _launch_topk(
         t,
         h,
         d,
+        operands[3].stride(0),
         pool.block_size,
         pool.block_table.shape[1],
         n_cand,
@@ -530,9 +559,9 @@ def _signature(x: str, outputs: dict[str, str], ints: tuple[str, ...]) -> dict[s
     return {**operands, **_INDEX, **outputs, **dict.fromkeys(ints, "i32")}
 
 
-_LOGITS_INTS = ("T", "H", "D", "block_size", "max_blocks", "width")
+_LOGITS_INTS = ("T", "H", "D", "key_stride", "block_size", "max_blocks", "width")
 _TOPK_OUT = {"cand_ptr": "*i32", "scratch_ptr": "*fp32", "out_ptr": "*i32", "blocks_out_ptr": "*i32"}
-_TOPK_INTS = (*_LOGITS_INTS[:5], "n_cand", "width", "K", "KB")
+_TOPK_INTS = (*_LOGITS_INTS[:6], "n_cand", "width", "K", "KB")
 _FIXED = {"HP": _HP, "DP": _DP}
 _VARIANTS = ((("*fp32", "*bf16"), _LOGITS_FLOAT, _TOPK_FLOAT), (("*i8",), _LOGITS_INT8, _TOPK_INT8))
 

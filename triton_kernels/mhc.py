@@ -230,7 +230,7 @@ def _hc_mix_kernel(
                 x_ptr + tok[:, None] * K + kk[None, :], mask=tok_ok[:, None] & k_ok[None, :], other=0.0
             )
             xv = xv.to(tl.float32)
-            w = gather_rows(fn_ptr, fn_row, used, kk, K, k0 + BLOCK_K <= K)
+            w = gather_rows(fn_ptr, fn_row, used, kk, K, K, k0 + BLOCK_K <= K)
             sq += xv * xv
             # ieee: the tf32 default on GPUs would cost ~1e-3 relative error in the mixes.
             acc = tl.dot(xv, tl.trans(w), acc, input_precision="ieee")

@@ -6,6 +6,9 @@ tensors living on an NPU or a GPU (``use_triton``); on CPU they run the torch re
 Triton launchers are exercised directly under ``TRITON_INTERPRET=1`` in tests. ``DSV4_FORCE_TORCH=1``
 sends every operator to its torch reference, for debugging; ``DSV4_TRITON_ON_CPU=1`` together with
 ``TRITON_INTERPRET=1`` sends CPU tensors to the Triton kernels instead (a whole model on the interpreter).
+``DSV4_CHECK_RANGES=1`` makes the operators validate their index ranges, a device-to-host read per
+call; it is off in production, where the engine validates the indices once on the host when it builds
+the batch, and on in tests (read once per process).
 
 The SKU (``sku()``) is the device name made path-safe; ``DSV4_SKU`` overrides it (tests and sweeps
 switch profiles with it). Core counts and the on-chip budget come from the SKU's profile
@@ -48,6 +51,11 @@ def _npu_present() -> bool:
 
 def force_torch() -> bool:
     return os.environ.get("DSV4_FORCE_TORCH", "0").lower() in _TRUE
+
+
+@functools.cache
+def check_ranges() -> bool:
+    return os.environ.get("DSV4_CHECK_RANGES", "0").lower() in _TRUE
 
 
 def interpreter_active() -> bool:

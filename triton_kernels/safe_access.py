@@ -14,14 +14,15 @@ import triton.language as tl
 
 
 @triton.jit
-def gather_rows(base, rows, valid, cols, width, inside):
-    """The ``[rows, cols]`` tile of a row-major ``[*, width]`` tensor, 0 where not ``valid`` or past width.
+def gather_rows(base, rows, valid, cols, width, stride, inside):
+    """The ``[rows, cols]`` tile of a ``[*, width]`` tensor of row stride ``stride`` (a column range of a
+    wider buffer, as a KV pool is, needs no copy), 0 where not ``valid`` or past width.
 
     ``rows`` must be row ids of the tensor for every lane (clamp them first). ``inside`` says every column
     is below ``width``: the columns then stay contiguous (one transfer per row); otherwise those past the
     end read column ``width - 1``.
     """
-    ptrs = base + rows[:, None] * width
+    ptrs = base + rows[:, None] * stride
     mask = valid[:, None] & (cols < width)[None, :]
     if inside:
         tile = tl.load(ptrs + cols[None, :], mask=mask, other=0)  # in-bounds: rows clamped by the caller

@@ -141,7 +141,8 @@ def _validate(
         for name, x in (("positions", positions), ("inv_freq", inv_freq)):
             if x.device != q.device:
                 raise ValueError(f"{name}: device {x.device} differs from q's device {q.device}")
-    _check_slots(pools)
+    if runtime.check_ranges():
+        _check_slots(pools)
 
 
 def _check_slots(pools: Sequence[KVPool]) -> None:
@@ -214,6 +215,7 @@ def _attend(
     lo,
     hi,
     D,
+    stride,
     scale,
     QUANT: tl.constexpr,
     BF16_DOT: tl.constexpr,
@@ -231,7 +233,7 @@ def _attend(
         slot = tl.load(idx_ptr + j, mask=j < hi, other=-1)
         valid = slot >= 0
         row = tl.where(valid, slot, 0)  # -1 slots read row 0
-        k = gather_rows(kv_ptr, row, valid, d, D, D == DP)
+        k = gather_rows(kv_ptr, row, valid, d, D, stride, D == DP)
         if BF16_DOT:
             k = k.to(tl.bfloat16)
         else:
@@ -285,6 +287,8 @@ def _sparse_attn_kernel(
     D,
     K0,
     K1,
+    S0,
+    S1,
     P,
     scale,
     QUANT: tl.constexpr,
@@ -327,6 +331,7 @@ def _sparse_attn_kernel(
             lo0,
             tl.minimum(lo0 + chunk0, K0),
             D,
+            S0,
             scale,
             QUANT,
             BF16_DOT,
@@ -345,6 +350,7 @@ def _sparse_attn_kernel(
             lo1,
             tl.minimum(lo1 + chunk1, K1),
             D,
+            S1,
             scale,
             QUANT,
             BF16_DOT,
@@ -436,7 +442,7 @@ def sparse_attention_triton(
         "DP": _pad(d),
     }
     operands = (q, kv0, ks0, idx0, kv1, ks1, idx1, sink, pos, freq)
-    sizes = (t, h, d, idx0.shape[1], idx1.shape[1], p, scale)
+    sizes = (t, h, d, idx0.shape[1], idx1.shape[1], kv0.stride(0), kv1.stride(0), p, scale)
     if split is None:
         split = decode_split(t, h)
     if not split:
@@ -470,7 +476,9 @@ def _pool_operands(pools: Sequence[KVPool], sink: torch.Tensor) -> tuple[tuple[t
         idx = pool.indices.to(torch.int32)
         # An empty pool has only -1 slots: it is given none, as the kernel reads row 0 for -1 slots.
         idx = idx[:, :0] if pool.kv.shape[0] == 0 else idx
-        ops.append((pool.kv.contiguous(), scale, idx.contiguous()))
+        # A pool is a column range of the cache buffer: its rows are read at their stride, never copied.
+        kv = pool.kv if pool.kv.stride(1) == 1 else pool.kv.contiguous()
+        ops.append((kv, scale, idx.contiguous()))
     if len(ops) == 1:
         kv, scale, idx = ops[0]
         ops.append((kv, scale, idx[:, :0].contiguous()))
@@ -524,7 +532,7 @@ def _attn_signature(q: str, kv0: str, kv1: str) -> dict[str, str]:
         "lse_ptr": "*fp32",
         "part_ptr": "*fp32",
         "part_ml_ptr": "*fp32",
-        **dict.fromkeys(("T", "H", "D", "K0", "K1", "P"), "i32"),
+        **dict.fromkeys(("T", "H", "D", "K0", "K1", "S0", "S1", "P"), "i32"),
         "scale": "fp32",
     }
 

@@ -51,7 +51,7 @@ def candidate_blocks(
     _check_scores(scores)
     check_tensor("visible", visible, torch.int32, scores.shape[:1], scores.device)
     check_candidate_geometry(block_size, topk_blocks)
-    if scores.shape[0] > 0:
+    if scores.shape[0] > 0 and runtime.check_ranges():
         low, high = (int(v) for v in torch.stack([visible.min(), visible.max()]).tolist())
         if low < 0 or high > scores.shape[1]:
             raise ValueError(f"visible: range [{low}, {high}] must lie in [0, {scores.shape[1]}] (N)")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model.cache import CacheGroup, KVPools, block_layout, group_name
+from model.cache import Batch, CacheGroup, KVPools, SeqCache, block_layout, group_name
 from model.config import ModelConfig
 from model.plan import build_plan
 from model.tiny import ARCHS, toy_config
@@ -62,3 +62,16 @@ def test_block_layout_tiles_every_block_with_every_group(widths, block_size):
     for g in groups:
         per_block = slots_per_block[g.name]
         assert block_bytes % per_block == 0 and block_bytes // per_block >= g.bytes_per_slot
+
+
+@pytest.mark.parametrize("bad", [-2, 4])
+def test_batch_refuses_block_ids_outside_the_pools(bad):
+    pools = KVPools(ModelConfig.from_dict(toy_config("v4")), 16, 4, torch.float32, torch.device("cpu"))
+    tables = {g.name: [0] for g in pools.groups}
+    tables["window"] = [1, bad]
+    with pytest.raises(ValueError, match=r"window block table: ids \[.*\] must lie in \[-1, 4\)"):
+        Batch.build(pools, [SeqCache(tables)], [20], torch.device("cpu"))
+    tables["window"] = [1, 3]
+    assert Batch.build(pools, [SeqCache(tables)], [20], torch.device("cpu")).tables["window"].tolist() == [
+        [1, 3]
+    ]

@@ -113,6 +113,26 @@ def test_logits_kernel_matches_reference(shape, block_size: int, dtype: torch.dt
     assert torch.equal(torch.isinf(got), torch.isinf(ref))
 
 
+@pytest.mark.parametrize("op", ["logits", "topk"])
+def test_a_key_pool_that_is_a_column_range_of_a_buffer_is_read_in_place(op: str, monkeypatch) -> None:
+    # The KV cache's key pools are column ranges of one buffer: the kernels read them at their row stride.
+    queries, pool = _batch(*DECODE, seed=5)
+    buffer = torch.randn(pool.keys.shape[0], 3 * DIM, generator=torch.Generator().manual_seed(6))
+    buffer[:, DIM : 2 * DIM] = pool.keys
+    strided = KeyPool(buffer[:, DIM : 2 * DIM], pool.block_table, pool.block_size)
+    copied = []
+    contiguous = torch.Tensor.contiguous
+    monkeypatch.setattr(torch.Tensor, "contiguous", lambda t, *a: copied.append(t.shape) or contiguous(t, *a))
+    if op == "logits":
+        torch.testing.assert_close(
+            indexer.indexer_logits_triton(queries, strided), indexer.indexer_logits_ref(queries, pool)
+        )
+    else:
+        got = indexer.indexer_topk_triton(queries, strided, 20)
+        assert torch.equal(got, indexer.indexer_topk_ref(queries, pool, 20))
+    assert strided.keys.shape not in copied, "the key pool was copied"
+
+
 def test_reference_matches_dense_formula() -> None:
     queries, pool = _batch(*PREFILL)
     logits = indexer.indexer_logits_ref(queries, pool)

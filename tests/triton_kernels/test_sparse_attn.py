@@ -176,3 +176,19 @@ def _bad(**change):
 def test_contract_is_validated(change: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         sparse_attention(**_bad(**change))
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["prefill", "decode"])
+def test_pools_that_are_column_ranges_of_a_buffer_are_read_in_place(split: bool, monkeypatch) -> None:
+    # The KV cache's pools are column ranges of one buffer: the kernel reads them at their row stride.
+    q, pools, sink = _case(4, 4, 64, 16, 40, "fp32")
+    buffer = torch.randn(SLOTS, 3 * 64, generator=_gen(9))
+    window, entries = buffer[:, 64:128], buffer[:, 128:]
+    window.copy_(pools[0].kv)
+    entries.copy_(torch.randn(SLOTS, 64, generator=_gen(10)))
+    strided = [KVPool(window, pools[0].indices), KVPool(entries, pools[1].indices)]
+    copied = []
+    contiguous = torch.Tensor.contiguous
+    monkeypatch.setattr(torch.Tensor, "contiguous", lambda t, *a: copied.append(t.shape) or contiguous(t, *a))
+    _check(q, strided, sink, _rope(4), split, atol=1e-5)
+    assert (SLOTS, 64) not in copied, "a pool was copied"
