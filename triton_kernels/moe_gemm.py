@@ -326,6 +326,7 @@ KERNELS: tuple[KernelSpec, ...] = tuple(
         configs=_GATE_UP_CONFIGS if gate_up else _DOWN_CONFIGS,
         constexprs={"GATE_UP": gate_up, "FORMAT": fmt, "SCALE_BLOCK": block},
         uses_cube=True,
+        never_one=("K",) if fmt == 1 else (),  # MXFP4 K holds whole 32-value groups (see quant_matmul)
     )
     for gate_up in (1, 0)
     for fmt, block in ((0, 128), (0, 32), (1, 32))
