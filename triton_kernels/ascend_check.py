@@ -52,6 +52,7 @@ try:  # upstream triton has neither the Ascend backend nor this helper
 
     from triton_kernels.ascend_ir import (
         SPECIALISATIONS,
+        LintCrash,
         dropped_masks,
         rel_path,
         scalar_fallbacks,
@@ -110,7 +111,12 @@ class Report:
 
     def lint(self, ttir: str, options: dict[str, Any], context: str) -> None:
         """Records the lowering's dropped-mask sites; an unmarked one is an error."""
-        for site in dropped_masks(ttir, options) - self.dropped:
+        try:
+            sites = dropped_masks(ttir, options)
+        except LintCrash as err:
+            self.errors.append(f"{context} dropped-mask lint: {err}")
+            return
+        for site in sites - self.dropped:
             self.dropped.add(site)
             if (message := unproven(site)) is not None:
                 self.unproven.add(site)
