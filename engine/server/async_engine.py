@@ -235,6 +235,8 @@ class AsyncEngine:
             return
         for request in self.engine.step():
             self._publish(request)
+        if self.engine.step_tokens:
+            self.metrics.iteration_tokens.observe(self.engine.step_tokens)
         self._observe()
 
     @staticmethod
@@ -319,6 +321,5 @@ class AsyncEngine:
             sequence.sink(Update(sequence.index, [], [], "", "error", "the engine stopped", 503))
 
     def _observe(self) -> None:
-        self.metrics.observe_engine(self.engine.scheduler.preemptions, self.engine.step_tokens)
-        self.engine.step_tokens = 0
+        self.metrics.observe_engine(self.engine.scheduler.preemptions)
         self.metrics.observe_spec_decode(self.engine.spec_stats)

@@ -42,8 +42,9 @@ class Metrics:
         self.preemptions = self._vllm(Counter, "num_preemptions", "Sequences preempted for lack of KV cache")
         self.prompt_tokens = self._vllm(Counter, "prompt_tokens", "Prompt tokens of sequences added")
         self.generation_tokens = self._vllm(Counter, "generation_tokens", "Tokens generated")
-        self._success = Counter("vllm:request_success", "Sequences finished", ["model_name", "engine",
-                                "finished_reason"], registry=self.registry)  # fmt: skip
+        self._success = self._vllm(
+            Counter, "request_success", "Sequences finished", labels=("finished_reason",)
+        )
         self.prefix_cache_queries = self._vllm(Counter, "prefix_cache_queries", "Prompt tokens looked up")
         self.prefix_cache_hits = self._vllm(Counter, "prefix_cache_hits", "Prompt tokens found cached")
         self.request_prompt_tokens = self._vllm(Histogram, "request_prompt_tokens", "Prompt tokens", tokens)
@@ -68,9 +69,9 @@ class Metrics:
         self.inference_time = self._vllm(Histogram, "request_inference_time_seconds", "Scheduled to finish")
         self.prefill_time = self._vllm(Histogram, "request_prefill_time_seconds", "Scheduled to first token")
         self.decode_time = self._vllm(Histogram, "request_decode_time_seconds", "First token to finish")
-        self.cache_config = Gauge("vllm:cache_config_info", "KV cache configuration", ["model_name", "engine",
-                                  "block_size", "cache_dtype", "enable_prefix_caching", "num_gpu_blocks"],
-                                  registry=self.registry)  # fmt: skip
+        self.cache_config = self._vllm(Gauge, "cache_config_info", "KV cache configuration",
+                                       labels=("block_size", "cache_dtype", "enable_prefix_caching",
+                                               "num_gpu_blocks"))  # fmt: skip
         self.http = Counter("deepseek:http_requests", "HTTP requests by endpoint and status",
                             ["endpoint", "status"], registry=self.registry)  # fmt: skip
         self._spec: dict[str, Any] = {}
@@ -79,17 +80,20 @@ class Metrics:
                 "drafts": self._vllm(Counter, "spec_decode_num_drafts", "Verifying steps"),
                 "drafted": self._vllm(Counter, "spec_decode_num_draft_tokens", "Draft tokens verified"),
                 "accepted": self._vllm(Counter, "spec_decode_num_accepted_tokens", "Draft tokens accepted"),
-                "per_position": Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
-                                        "Draft tokens accepted at each draft position",
-                                        ["model_name", "engine", "position"], registry=self.registry),
+                "per_position": self._vllm(Counter, "spec_decode_num_accepted_tokens_per_pos",
+                                           "Draft tokens accepted per draft position", labels=("position",)),
             }  # fmt: skip
         self._counted = SpecDecodeStats()
         self._preempted = 0
 
-    def _vllm(self, kind: type, name: str, doc: str, buckets: tuple | None = None) -> Any:
+    def _vllm(
+        self, kind: type, name: str, doc: str, buckets: tuple | None = None, labels: tuple[str, ...] = ()
+    ) -> Any:
+        """A vLLM metric of this model: the series itself, or with further `labels` the family, whose
+        children are taken with ``labels(*self._labels, ...)``."""
         extra = {} if kind is not Histogram else {"buckets": buckets or _LATENCY_BUCKETS}
-        metric = kind(f"vllm:{name}", doc, ["model_name", "engine"], registry=self.registry, **extra)
-        return metric.labels(*self._labels)
+        metric = kind(f"vllm:{name}", doc, ["model_name", "engine", *labels], registry=self.registry, **extra)
+        return metric if labels else metric.labels(*self._labels)
 
     @staticmethod
     def count(metric: Any) -> float:
@@ -102,11 +106,9 @@ class Metrics:
     def finished(self, reason: str) -> None:
         self._success.labels(*self._labels, reason).inc()
 
-    def observe_engine(self, preemptions: int, step_tokens: int) -> None:
+    def observe_engine(self, preemptions: int) -> None:
         self.preemptions.inc(preemptions - self._preempted)
         self._preempted = preemptions
-        if step_tokens:
-            self.iteration_tokens.observe(step_tokens)
 
     def observe_spec_decode(self, stats: SpecDecodeStats) -> None:
         if not self._spec:
