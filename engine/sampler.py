@@ -52,7 +52,7 @@ class Sampler:
             target = self._adjusted(request, row, output)
             if params.greedy:
                 token = int(target.argmax())
-                if bool(target[token].isnan()) or float(target[token]) == float("-inf"):
+                if not float(target[token]) > float("-inf"):  # -inf or NaN: nothing was allowed
                     raise ValueError("no token is allowed after the penalties and the logits processor")
             elif k < len(drafts):
                 token = self._verify(request, filtered_probs(target, params), proposal, k, output)
