@@ -18,7 +18,7 @@ from typing import Any
 from triton.backends.ascend.compiler import AscendAttrsDescriptor, _get_triton_adapter_opt_path
 from triton.runtime.jit import JITFunction
 
-from triton_kernels.spec import IN_BOUNDS_MARK, KernelSpec
+from triton_kernels.spec import IN_BOUNDS_MARK
 
 # A tt.load / tt.store line of the TTIR: its operands (pointer, then mask, then other) and its location.
 _ACCESS = re.compile(r"\btt\.(load|store) ([^:]*?) : .*loc\((#loc\d*)\)\s*$", re.M)
@@ -153,10 +153,14 @@ SPECIALISATIONS = {"divisible by 16": 16, "equal to 1": 1}
 
 
 def specialised(
-    fn: JITFunction, spec: KernelSpec, signature: dict[str, str], constexprs: dict[str, int], value: int
+    fn: JITFunction,
+    never_one: tuple[str, ...],
+    signature: dict[str, str],
+    constexprs: dict[str, int],
+    value: int,
 ) -> tuple[dict[str, int], Any]:
     """(constexprs, attrs) of a launch whose pointers are aligned and whose ints are ``value`` (16 for
-    those the spec says are ``never_one``).
+    those named ``never_one``).
 
     As ``JITFunction.run`` does: ints equal to 1 become constants, multiples of 16 get divisibility hints.
     """
@@ -165,7 +169,7 @@ def specialised(
         if signature[name].startswith("*"):
             return _Aligned()
         if signature[name][0] in "iu":
-            return 16 if name in spec.never_one else value
+            return 16 if name in never_one else value
         return 1.5
 
     values = [constexprs[p.name] if p.is_constexpr else arg(p.name) for p in fn.params]

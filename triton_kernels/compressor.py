@@ -45,8 +45,7 @@ from triton_kernels import runtime, tuning
 from triton_kernels.quant import quantize_int8_ref
 from triton_kernels.rmsnorm import rms_norm_ref
 from triton_kernels.rope import apply_rope_ref
-from triton_kernels.sparse_attn import rotate_rows
-from triton_kernels.spec import KernelSpec, TuneConfig
+from triton_kernels.spec import TuneConfig, Variant
 
 MAX_DIM = 1024  # the entry row is held whole
 _IN_DTYPES = (torch.float32, torch.bfloat16)
@@ -284,6 +283,23 @@ def compress_ref(
             entries, scale = quantize_int8_ref(entries)
             out_scale[slots[keep]] = scale[keep]
         out[slots[keep]] = entries[keep].to(out.dtype)
+
+
+@triton.jit
+def rotate_rows(x, pos, freq_ptr, nope, P, sign, DP: tl.constexpr):
+    """Rows ``x [R, DP]`` whose pairs ``(nope + 2i, nope + 2i + 1)``, ``i < P``, turn by ``sign·pos·freq[i]``.
+
+    ``nope`` is even, so every pair starts at an even channel; the other pairs turn by 0 (unchanged).
+    """
+    rows: tl.constexpr = x.shape[0]
+    even, odd = tl.split(tl.reshape(x, [rows, DP // 2, 2]))
+    i = tl.arange(0, DP // 2) - nope // 2
+    turns = (i >= 0) & (i < P)
+    safe = tl.minimum(tl.maximum(i, 0), P - 1)
+    angle = pos * tl.load(freq_ptr + safe, mask=turns, other=0.0)  # in-bounds: index clamped to [0, P)
+    cos = tl.cos(angle)[None, :]
+    sin = (tl.sin(angle) * sign)[None, :]
+    return tl.reshape(tl.join(even * cos - odd * sin, odd * cos + even * sin), [rows, DP])
 
 
 @triton.jit
@@ -570,7 +586,7 @@ def compress_triton(
     )
     freq = dummy if params.inv_freq is None else params.inv_freq.contiguous()
     p = 0 if params.inv_freq is None else params.inv_freq.numel()
-    _compress_tuned[lambda meta: runtime.grid(KERNELS[0], n)](
+    _compress_tuned[lambda meta: _compress_tuned.grid(n)](
         kv,
         gate,
         ape,
@@ -602,7 +618,7 @@ def compress_triton(
     )
     if states is None or r == 1:
         return
-    _state_tuned[lambda meta: runtime.grid(KERNELS[-1], reqs * triton.cdiv(width, meta["BLOCK_C"]))](
+    _state_tuned[lambda meta: _state_tuned.grid(reqs * triton.cdiv(width, meta["BLOCK_C"]))](
         kv,
         gate,
         ape,
@@ -645,8 +661,6 @@ _COMPRESS_CONFIGS = (
 _STATE_CONFIGS = tuple(
     TuneConfig({"BLOCK_S": bs, "BLOCK_C": bc}, _state_ub(bs, bc)) for bs, bc in ((4, 512), (16, 128))
 )
-_compress_tuned = tuning.TunedKernel(_compress_kernel, _COMPRESS_CONFIGS, key=["C", "W", "R"])
-_state_tuned = tuning.TunedKernel(_compress_state_kernel, _STATE_CONFIGS, key=["W", "R"])
 
 
 def _compress_signature(x: str, out: str) -> dict[str, str]:
@@ -681,27 +695,26 @@ _VARIANTS = (
     {"OVERLAP": 0, "HAS_GATE": 0, "HAS_APE": 0, "ROPE": 0, "CP": 512},
 )
 
-KERNELS: tuple[KernelSpec, ...] = (
-    *(
-        KernelSpec(
-            _compress_kernel,
-            signatures=tuple(_compress_signature(x, out) for x, out in pairs),
-            configs=_COMPRESS_CONFIGS,
-            constexprs={**variant, "QUANT": quant},
-        )
+_compress_tuned = tuning.TunedKernel(
+    _compress_kernel,
+    _COMPRESS_CONFIGS,
+    key=["C", "W", "R"],
+    variants=tuple(
+        Variant({**variant, "QUANT": quant}, tuple(_compress_signature(x, out) for x, out in pairs))
         for variant in _VARIANTS
         for quant, pairs in (
             (0, (("*fp32", "*fp32"), ("*bf16", "*bf16"))),
             (1, (("*fp32", "*i8"), ("*bf16", "*i8"))),
         )
     ),
-    *(
-        KernelSpec(
-            _compress_state_kernel,
-            signatures=(_state_signature("*fp32"), _state_signature("*bf16")),
-            configs=_STATE_CONFIGS,
-            constexprs={"OVERLAP": overlap, "HAS_APE": ape},
-        )
+)
+_state_tuned = tuning.TunedKernel(
+    _compress_state_kernel,
+    _STATE_CONFIGS,
+    key=["W", "R"],
+    variants=tuple(
+        Variant({"OVERLAP": overlap, "HAS_APE": ape}, (_state_signature("*fp32"), _state_signature("*bf16")))
         for overlap, ape in ((1, 1), (0, 1), (0, 0))
     ),
 )
+KERNELS = (_compress_tuned, _state_tuned)

@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from triton_kernels import runtime, tuning
-from triton_kernels.spec import KernelSpec, TuneConfig
+from triton_kernels.spec import TuneConfig, Variant
 
 _TABLE_DTYPES = (torch.float32, torch.bfloat16)
 _ID_DTYPES = (torch.int32, torch.int64)
@@ -220,7 +220,7 @@ def engram_hash_triton(cids: torch.Tensor, n_history: int, tables: HashTables) -
     out = torch.empty((s, n_layers, cols), dtype=torch.int32, device=cids.device)
     if s > 0:
         heads = tables.n_heads
-        _engram_hash_tuned[lambda meta: runtime.grid(KERNELS[0], n_layers * triton.cdiv(s, meta["BLOCK_S"]))](
+        _engram_hash_tuned[lambda meta: _engram_hash_tuned.grid(n_layers * triton.cdiv(s, meta["BLOCK_S"]))](
             cids.to(torch.int32).contiguous(),
             tables.limbs,
             tables.primes,
@@ -283,7 +283,7 @@ def engram_gather_triton(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor
     d = table.shape[1]
     out = torch.empty((*ids.shape, d), dtype=table.dtype, device=table.device)
     if ids.numel() > 0:
-        _engram_gather_tuned[lambda meta: runtime.grid(KERNELS[-1], ids.numel())](
+        _engram_gather_tuned[lambda meta: _engram_gather_tuned.grid(ids.numel())](
             table.contiguous(), ids.reshape(-1).to(torch.int32).contiguous(), out, ids.numel(), d
         )
     return out
@@ -302,8 +302,6 @@ def _hash_ub(block_s: int) -> int:
 _HASH_CONFIGS = tuple(TuneConfig({"BLOCK_S": bs}, _hash_ub(bs)) for bs in (64, 256))
 # The loaded row tile and its copy to the store.
 _GATHER_CONFIGS = tuple(TuneConfig({"BLOCK_D": bd}, 4 * 2 * bd) for bd in (256, 1024))
-_engram_hash_tuned = tuning.TunedKernel(_engram_hash_kernel, _HASH_CONFIGS, key=["N_MAX", "HEADS"])
-_engram_gather_tuned = tuning.TunedKernel(_engram_gather_kernel, _GATHER_CONFIGS, key=["D"])
 
 _HASH_SIGNATURE = {
     **dict.fromkeys(("cid_ptr", "limb_ptr", "prime_ptr", "offset_ptr", "out_ptr"), "*i32"),
@@ -315,23 +313,19 @@ def _gather_signature(table: str) -> dict[str, str]:
     return {"table_ptr": table, "ids_ptr": "*i32", "out_ptr": table, "R": "i32", "D": "i32"}
 
 
-KERNELS: tuple[KernelSpec, ...] = (
-    KernelSpec(
-        _engram_hash_kernel,
-        signatures=(_HASH_SIGNATURE,),
-        configs=_HASH_CONFIGS,
-        constexprs={"N_MAX": _N_MAX, "HEADS": _HEADS, "HP": _HEADS},
-    ),
-    # The toy's two heads per order: the narrowest head tile.
-    KernelSpec(
-        _engram_hash_kernel,
-        signatures=(_HASH_SIGNATURE,),
-        configs=_HASH_CONFIGS,
-        constexprs={"N_MAX": _N_MAX, "HEADS": 2, "HP": 2},
-    ),
-    KernelSpec(
-        _engram_gather_kernel,
-        signatures=(_gather_signature("*fp32"), _gather_signature("*bf16")),
-        configs=_GATHER_CONFIGS,
+_engram_hash_tuned = tuning.TunedKernel(
+    _engram_hash_kernel,
+    _HASH_CONFIGS,
+    key=["N_MAX", "HEADS"],
+    # The model's heads per order, and the toy's two: the narrowest head tile.
+    variants=tuple(
+        Variant({"N_MAX": _N_MAX, "HEADS": heads, "HP": heads}, (_HASH_SIGNATURE,)) for heads in (_HEADS, 2)
     ),
 )
+_engram_gather_tuned = tuning.TunedKernel(
+    _engram_gather_kernel,
+    _GATHER_CONFIGS,
+    key=["D"],
+    variants=(Variant({}, (_gather_signature("*fp32"), _gather_signature("*bf16"))),),
+)
+KERNELS = (_engram_hash_tuned, _engram_gather_tuned)

@@ -49,7 +49,7 @@ import triton.language as tl
 
 from triton_kernels import runtime, topk, tuning
 from triton_kernels.safe_access import gather_rows
-from triton_kernels.spec import KernelSpec, TuneConfig
+from triton_kernels.spec import TuneConfig, Variant
 from triton_kernels.topk import candidate_blocks_ref, check_candidate_geometry, check_k, check_tensor
 
 MAX_HEADS = 64
@@ -440,9 +440,9 @@ def indexer_logits_triton(queries: IndexQueries, pool: KeyPool) -> torch.Tensor:
     out = torch.empty((t, width), dtype=torch.float32, device=queries.q.device)
     if t > 0 and width > 0:
         quant = queries.q.dtype == torch.int8
-        spec, tuned = (KERNELS[1], _logits_int8) if quant else (KERNELS[0], _logits_float)
+        tuned = _LOGITS_TUNED[quant]
         operands = _operands(queries, pool)
-        tuned[lambda meta: runtime.grid(spec, t * triton.cdiv(width, meta["BLOCK_N"]))](
+        tuned[lambda meta: tuned.grid(t * triton.cdiv(width, meta["BLOCK_N"]))](
             *operands,
             out,
             t,
@@ -475,13 +475,13 @@ def _launch_topk(
     if t == 0 or (k == 0 and topk_blocks == 0):
         return out, blocks_out
     quant = queries.q.dtype == torch.int8
-    index = 2 + 2 * mode + quant
-    grid = runtime.grid(KERNELS[index], t)
+    tuned = _TOPK_TUNED[quant]
+    grid = tuned.grid(t)
     stride = width + (triton.cdiv(width, cand_block) if mode == _SOURCE else 0)
     scratch = torch.empty((grid[0], max(1, stride)), dtype=torch.float32, device=device)
     cand = out if candidates is None else candidates.contiguous()  # never read outside MODE 2
     operands = _operands(queries, pool)
-    _TOPK_TUNED[quant][grid](
+    tuned[grid](
         *operands,
         cand,
         scratch,
@@ -543,12 +543,6 @@ _LOGITS_FLOAT = (_config(16, 4), _config(64, 4, multibuffer=False))
 _LOGITS_INT8 = (_config(32, 1), _config(128, 1, multibuffer=False))
 _TOPK_FLOAT = (_config(16, 4, 512), _config(32, 4, 1024, multibuffer=False))
 _TOPK_INT8 = (_config(32, 1, 512), _config(64, 1, 1024, multibuffer=False))
-_logits_float = tuning.TunedKernel(_indexer_logits_kernel, _LOGITS_FLOAT, ["H", "D"], "logits_float")
-_logits_int8 = tuning.TunedKernel(_indexer_logits_kernel, _LOGITS_INT8, ["H", "D"], "logits_int8")
-_TOPK_TUNED = tuple(
-    tuning.TunedKernel(_indexer_topk_kernel, configs, ["H", "D", "MODE", "CAND_BLOCK"], f"topk_{kind}")
-    for kind, configs in (("float", _TOPK_FLOAT), ("int8", _TOPK_INT8))
-)
 
 _OPERANDS = ("q_ptr", "qs_ptr", "w_ptr", "k_ptr", "ks_ptr")
 _INDEX = {"table_ptr": "*i32", "req_ptr": "*i32", "vis_ptr": "*i32"}
@@ -565,27 +559,38 @@ _TOPK_INTS = (*_LOGITS_INTS[:6], "n_cand", "width", "K", "KB")
 _FIXED = {"HP": _HP, "DP": _DP}
 _VARIANTS = ((("*fp32", "*bf16"), _LOGITS_FLOAT, _TOPK_FLOAT), (("*i8",), _LOGITS_INT8, _TOPK_INT8))
 
-KERNELS: tuple[KernelSpec, ...] = (
-    *(
-        KernelSpec(
-            _indexer_logits_kernel,
-            signatures=tuple(_signature(x, {"out_ptr": "*fp32"}, _LOGITS_INTS) for x in xs),
-            configs=configs,
-            constexprs={"QUANT": quant, **_FIXED},
-            uses_cube=True,
-        )
-        for quant, (xs, configs, _) in enumerate(_VARIANTS)
-    ),
-    # Index 2 + 2 * MODE + QUANT, as _launch_topk picks it.
-    *(
-        KernelSpec(
-            _indexer_topk_kernel,
-            signatures=tuple(_signature(x, _TOPK_OUT, _TOPK_INTS) for x in xs),
-            configs=configs,
-            constexprs={"MODE": mode, "QUANT": quant, "CAND_BLOCK": 8, **_FIXED},
-            uses_cube=True,
-        )
-        for mode in (_PLAIN, _SOURCE, _CONSUMER)
-        for quant, (xs, _, configs) in enumerate(_VARIANTS)
-    ),
+_KINDS = ("float", "int8")  # by QUANT
+_LOGITS_TUNED = tuple(
+    tuning.TunedKernel(
+        _indexer_logits_kernel,
+        configs,
+        ["H", "D"],
+        f"logits_{_KINDS[quant]}",
+        variants=(
+            Variant(
+                {"QUANT": quant, **_FIXED},
+                tuple(_signature(x, {"out_ptr": "*fp32"}, _LOGITS_INTS) for x in xs),
+            ),
+        ),
+        uses_cube=True,
+    )
+    for quant, (xs, configs, _) in enumerate(_VARIANTS)
 )
+_TOPK_TUNED = tuple(
+    tuning.TunedKernel(
+        _indexer_topk_kernel,
+        configs,
+        ["H", "D", "MODE", "CAND_BLOCK"],
+        f"topk_{_KINDS[quant]}",
+        variants=tuple(
+            Variant(
+                {"MODE": mode, "QUANT": quant, "CAND_BLOCK": 8, **_FIXED},
+                tuple(_signature(x, _TOPK_OUT, _TOPK_INTS) for x in xs),
+            )
+            for mode in (_PLAIN, _SOURCE, _CONSUMER)
+        ),
+        uses_cube=True,
+    )
+    for quant, (xs, _, configs) in enumerate(_VARIANTS)
+)
+KERNELS = (*_LOGITS_TUNED, *_TOPK_TUNED)

@@ -38,7 +38,7 @@ import triton.language as tl
 
 from triton_kernels import runtime, tuning
 from triton_kernels.safe_access import gather_rows
-from triton_kernels.spec import KernelSpec, TuneConfig
+from triton_kernels.spec import TuneConfig, Variant
 
 _DTYPES = (torch.float32, torch.bfloat16)
 _MAX_STREAMS = 16
@@ -275,7 +275,7 @@ def _launch_mix(
         return
     fn, base, scale = (p.contiguous() for p in params)
     np_, r_pad = _mix_layout(n)
-    _hc_mix_tuned[lambda meta: runtime.grid(KERNELS[0], triton.cdiv(t, meta["BLOCK_T"]))](
+    _hc_mix_tuned[lambda meta: _hc_mix_tuned.grid(triton.cdiv(t, meta["BLOCK_T"]))](
         x.contiguous(),
         fn,
         base,
@@ -344,7 +344,7 @@ def hc_collapse_triton(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     t, n, d = x.shape
     out = torch.empty((t, d), dtype=x.dtype, device=x.device)
     if t > 0:
-        _hc_collapse_tuned[lambda meta: runtime.grid(KERNELS[2], t * triton.cdiv(d, meta["BLOCK_D"]))](
+        _hc_collapse_tuned[lambda meta: _hc_collapse_tuned.grid(t * triton.cdiv(d, meta["BLOCK_D"]))](
             x.contiguous(), pre.contiguous(), out, t, n, d
         )
     return out
@@ -379,7 +379,7 @@ def hc_update_triton(
     t, n, d = x.shape
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     if t > 0:
-        _hc_update_tuned[lambda meta: runtime.grid(KERNELS[3], t * triton.cdiv(d, meta["BLOCK_D"]))](
+        _hc_update_tuned[lambda meta: _hc_update_tuned.grid(t * triton.cdiv(d, meta["BLOCK_D"]))](
             x.contiguous(),
             f.contiguous(),
             post.contiguous(),
@@ -414,10 +414,6 @@ _MIX_CONFIGS = (
 _COLLAPSE_CONFIGS = tuple(TuneConfig({"BLOCK_D": bd}, 4 * 3 * bd) for bd in (512, 2048))
 _UPDATE_CONFIGS = tuple(TuneConfig({"BLOCK_D": bd}, 4 * (2 * _NP * bd + 3 * bd)) for bd in (512, 2048))
 
-_hc_mix_tuned = tuning.TunedKernel(_hc_mix_kernel, _MIX_CONFIGS, key=["n", "K", "HEAD"])
-_hc_collapse_tuned = tuning.TunedKernel(_hc_collapse_kernel, _COLLAPSE_CONFIGS, key=["n", "D"])
-_hc_update_tuned = tuning.TunedKernel(_hc_update_kernel, _UPDATE_CONFIGS, key=["n", "D"])
-
 _INTS = dict.fromkeys(("T", "n"), "i32")
 
 
@@ -436,28 +432,26 @@ def _update_signature(x: str) -> dict[str, str]:
 
 
 _X = ("*fp32", "*bf16")
-KERNELS: tuple[KernelSpec, ...] = (
-    KernelSpec(
-        _hc_mix_kernel,
-        signatures=tuple(_mix_signature(x) for x in _X),
-        configs=_MIX_CONFIGS,
-        constexprs={"HEAD": 0, "NP": _NP, "R_PAD": _R_PAD},
-        uses_cube=True,
+_hc_mix_tuned = tuning.TunedKernel(
+    _hc_mix_kernel,
+    _MIX_CONFIGS,
+    key=["n", "K", "HEAD"],
+    variants=tuple(
+        Variant({"HEAD": head, "NP": _NP, "R_PAD": _R_PAD}, tuple(_mix_signature(x) for x in _X))
+        for head in (0, 1)
     ),
-    KernelSpec(
-        _hc_mix_kernel,
-        signatures=tuple(_mix_signature(x) for x in _X),
-        configs=_MIX_CONFIGS,
-        constexprs={"HEAD": 1, "NP": _NP, "R_PAD": _R_PAD},
-        uses_cube=True,
-    ),
-    KernelSpec(
-        _hc_collapse_kernel, signatures=tuple(_collapse_signature(x) for x in _X), configs=_COLLAPSE_CONFIGS
-    ),
-    KernelSpec(
-        _hc_update_kernel,
-        signatures=tuple(_update_signature(x) for x in _X),
-        configs=_UPDATE_CONFIGS,
-        constexprs={"NP": _NP},
-    ),
+    uses_cube=True,
 )
+_hc_collapse_tuned = tuning.TunedKernel(
+    _hc_collapse_kernel,
+    _COLLAPSE_CONFIGS,
+    key=["n", "D"],
+    variants=(Variant({}, tuple(_collapse_signature(x) for x in _X)),),
+)
+_hc_update_tuned = tuning.TunedKernel(
+    _hc_update_kernel,
+    _UPDATE_CONFIGS,
+    key=["n", "D"],
+    variants=(Variant({"NP": _NP}, tuple(_update_signature(x) for x in _X)),),
+)
+KERNELS = (_hc_mix_tuned, _hc_collapse_tuned, _hc_update_tuned)

@@ -51,7 +51,7 @@ from triton_kernels.quant_matmul import (
     packed_ub,
     quant_matmul_ref,
 )
-from triton_kernels.spec import KernelSpec, TuneConfig
+from triton_kernels.spec import TuneConfig, Variant
 
 _ID_DTYPES = (torch.int32, torch.int64)
 _FORMAT_IDS = {FP8: 0, MXFP4: 1}
@@ -256,7 +256,7 @@ def _launch(
 
     def grid(meta: dict[str, int]) -> tuple[int]:
         tiles = (triton.cdiv(rows, meta["BLOCK_M"]) + experts) * triton.cdiv(n, meta["BLOCK_N"])
-        return runtime.grid(KERNELS[0], tiles)
+        return tuned.grid(tiles)
 
     tuned[grid](
         a,
@@ -308,8 +308,6 @@ _GATE_UP_CONFIGS = (
 )
 _DOWN_CONFIGS = PACKED_CONFIGS[:2]
 _KEY = ["N", "K", "FORMAT", "SCALE_BLOCK"]
-_gate_up_tuned = tuning.TunedKernel(_moe_kernel, _GATE_UP_CONFIGS, key=_KEY, name="gate_up")
-_down_tuned = tuning.TunedKernel(_moe_kernel, _DOWN_CONFIGS, key=_KEY, name="down")
 
 
 def _signature(a: str) -> dict[str, str]:
@@ -319,15 +317,22 @@ def _signature(a: str) -> dict[str, str]:
     return {**pointers, **weights, "out_ptr": "*fp32", **ints, "limit": "fp32"}
 
 
-KERNELS: tuple[KernelSpec, ...] = tuple(
-    KernelSpec(
+_gate_up_tuned, _down_tuned = (
+    tuning.TunedKernel(
         _moe_kernel,
-        signatures=(_signature("*fp32"), _signature("*bf16")) if gate_up else (_signature("*fp32"),),
-        configs=_GATE_UP_CONFIGS if gate_up else _DOWN_CONFIGS,
-        constexprs={"GATE_UP": gate_up, "FORMAT": fmt, "SCALE_BLOCK": block},
+        _GATE_UP_CONFIGS if gate_up else _DOWN_CONFIGS,
+        key=_KEY,
+        name="gate_up" if gate_up else "down",
+        variants=tuple(
+            Variant(
+                {"GATE_UP": gate_up, "FORMAT": fmt, "SCALE_BLOCK": block},
+                (_signature("*fp32"), _signature("*bf16")) if gate_up else (_signature("*fp32"),),
+            )
+            for fmt, block in ((0, 128), (0, 32), (1, 32))
+        ),
         uses_cube=True,
-        never_one=("K",) if fmt == 1 else (),  # MXFP4 K holds whole 32-value groups (see quant_matmul)
+        never_one=("K",),  # MXFP4 K holds whole 32-value groups (see quant_matmul)
     )
     for gate_up in (1, 0)
-    for fmt, block in ((0, 128), (0, 32), (1, 32))
 )
+KERNELS = (_gate_up_tuned, _down_tuned)

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from triton_kernels import runtime, tuning
-from triton_kernels.spec import KernelSpec, TuneConfig
+from triton_kernels.spec import TuneConfig, Variant
 
 MAX_DIM = 1024
 _DTYPES = (torch.float32, torch.bfloat16)
@@ -75,7 +75,7 @@ def quantize_int8_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = torch.empty(m, dtype=torch.float32, device=x.device)
     if m > 0:
         block_d = triton.next_power_of_2(d)
-        _quantize_tuned[lambda meta: runtime.grid(KERNELS[0], triton.cdiv(m, meta["BLOCK"] // block_d))](
+        _quantize_tuned[lambda meta: _quantize_tuned.grid(triton.cdiv(m, meta["BLOCK"] // block_d))](
             x2, q, scale, m, d, BLOCK_D=block_d
         )
     return q.view(x.shape), scale.view(x.shape[:-1])
@@ -84,15 +84,18 @@ def quantize_int8_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # Per element: the loaded tile, its fp32 copy, |x|, the quotient, the rounded int32 and int8 tiles.
 # The smallest tile holds a row of MAX_DIM.
 _CONFIGS = tuple(TuneConfig({"BLOCK": b}, 6 * 4 * b) for b in (MAX_DIM, 2 * MAX_DIM))
-_quantize_tuned = tuning.TunedKernel(_quantize_int8_kernel, _CONFIGS, key=["D"])
-
-KERNELS: tuple[KernelSpec, ...] = (
-    KernelSpec(
-        _quantize_int8_kernel,
-        signatures=tuple(
-            {"x_ptr": x, "q_ptr": "*i8", "s_ptr": "*fp32", "M": "i32", "D": "i32"} for x in ("*fp32", "*bf16")
+_quantize_tuned = tuning.TunedKernel(
+    _quantize_int8_kernel,
+    _CONFIGS,
+    key=["D"],
+    variants=(
+        Variant(
+            {"BLOCK_D": 128},
+            tuple(
+                {"x_ptr": x, "q_ptr": "*i8", "s_ptr": "*fp32", "M": "i32", "D": "i32"}
+                for x in ("*fp32", "*bf16")
+            ),
         ),
-        configs=_CONFIGS,
-        constexprs={"BLOCK_D": 128},
     ),
 )
+KERNELS = (_quantize_tuned,)

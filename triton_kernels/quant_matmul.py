@@ -42,7 +42,7 @@ import triton.language as tl
 
 from triton_kernels import runtime, tuning
 from triton_kernels.quant import quantize_int8_ref
-from triton_kernels.spec import KernelSpec, TuneConfig
+from triton_kernels.spec import TuneConfig, Variant
 
 FP8, MXFP4, INT8 = "fp8", "mxfp4", "int8"
 FP8_BLOCKS = (32, 128)
@@ -407,8 +407,10 @@ def quant_matmul_triton(x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
     if m == 0:
         return out
 
+    tuned = _int8_tuned if weight.format == INT8 else _packed_tuned
+
     def grid(meta: dict[str, int]) -> tuple[int]:
-        return runtime.grid(KERNELS[0], triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]))
+        return tuned.grid(triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]))
 
     if weight.format == INT8:
         xq, xs = quantize_int8_ref(x)
@@ -444,10 +446,6 @@ _INT8_CONFIGS = tuple(
     TuneConfig({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 256}, _int8_ub(bm, bn, 256), multibuffer)
     for bm, bn, multibuffer in ((16, 64, True), (32, 128, False), (64, 128, False))
 )
-_packed_tuned = tuning.TunedKernel(
-    _packed_matmul_kernel, PACKED_CONFIGS, key=["N", "K", "FORMAT", "SCALE_BLOCK"]
-)
-_int8_tuned = tuning.TunedKernel(_int8_matmul_kernel, _INT8_CONFIGS, key=["N", "K"])
 
 
 def _packed_signature(x: str) -> dict[str, str]:
@@ -465,23 +463,25 @@ def _int8_signature(out: str) -> dict[str, str]:
     return {**operands, **dict.fromkeys(("M", "N", "K"), "i32")}
 
 
-KERNELS: tuple[KernelSpec, ...] = (
-    *(
-        KernelSpec(
-            _packed_matmul_kernel,
-            signatures=(_packed_signature("*fp32"), _packed_signature("*bf16")),
-            configs=PACKED_CONFIGS,
-            constexprs={"FORMAT": fmt, "SCALE_BLOCK": block},
-            uses_cube=True,
-            # MXFP4 packs whole 32-value groups, so K >= 32; the adapter crashes on an MXFP4 K of 1.
-            never_one=("K",) if fmt == 1 else (),
+_packed_tuned = tuning.TunedKernel(
+    _packed_matmul_kernel,
+    PACKED_CONFIGS,
+    key=["N", "K", "FORMAT", "SCALE_BLOCK"],
+    variants=tuple(
+        Variant(
+            {"FORMAT": fmt, "SCALE_BLOCK": block}, (_packed_signature("*fp32"), _packed_signature("*bf16"))
         )
         for fmt, block in ((0, 128), (0, 32), (1, MXFP4_GROUP))
     ),
-    KernelSpec(
-        _int8_matmul_kernel,
-        signatures=(_int8_signature("*fp32"), _int8_signature("*bf16")),
-        configs=_INT8_CONFIGS,
-        uses_cube=True,
-    ),
+    uses_cube=True,
+    # MXFP4 packs whole 32-value groups, so K >= 32; the adapter crashes on an MXFP4 K of 1.
+    never_one=("K",),
 )
+_int8_tuned = tuning.TunedKernel(
+    _int8_matmul_kernel,
+    _INT8_CONFIGS,
+    key=["N", "K"],
+    variants=(Variant({}, (_int8_signature("*fp32"), _int8_signature("*bf16"))),),
+    uses_cube=True,
+)
+KERNELS = (_packed_tuned, _int8_tuned)

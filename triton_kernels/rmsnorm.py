@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from triton_kernels import runtime, tuning
-from triton_kernels.spec import KernelSpec, TuneConfig
+from triton_kernels.spec import TuneConfig, Variant
 
 _DTYPES = (torch.float32, torch.bfloat16)
 _MAX_NUMEL = 2**31 - 1  # offsets are int32 inside the kernel
@@ -104,7 +104,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float) ->
     if m > 0:
         # Without a weight the kernel never reads w_ptr; x stands in for it.
         w = x2 if weight is None else weight
-        _rms_norm_tuned[lambda meta: runtime.grid(KERNELS[0], triton.cdiv(m, meta["BLOCK_M"]))](
+        _rms_norm_tuned[lambda meta: _rms_norm_tuned.grid(triton.cdiv(m, meta["BLOCK_M"]))](
             x2, w, out, m, n, x2.stride(0), eps, HAS_WEIGHT=weight is not None
         )
     return out.view(x.shape)
@@ -119,24 +119,19 @@ _CONFIGS = tuple(
     TuneConfig({"BLOCK_M": bm, "BLOCK_N": bn}, _ub_bytes(bm, bn))
     for bm, bn in ((1, 4096), (4, 1024), (16, 256))
 )
-_rms_norm_tuned = tuning.TunedKernel(_rms_norm_kernel, _CONFIGS, key=["N"])
 
 
 def _signature(x: str, w: str) -> dict[str, str]:
     return {"x_ptr": x, "w_ptr": w, "out_ptr": x, "M": "i32", "N": "i32", "stride_x": "i32", "eps": "fp32"}
 
 
-KERNELS: tuple[KernelSpec, ...] = (
-    KernelSpec(
-        _rms_norm_kernel,
-        signatures=(_signature("*fp32", "*fp32"), _signature("*bf16", "*fp32")),
-        configs=_CONFIGS,
-        constexprs={"HAS_WEIGHT": 1},
-    ),
-    KernelSpec(
-        _rms_norm_kernel,
-        signatures=(_signature("*fp32", "*fp32"), _signature("*bf16", "*bf16")),
-        configs=_CONFIGS,
-        constexprs={"HAS_WEIGHT": 0},
+_rms_norm_tuned = tuning.TunedKernel(
+    _rms_norm_kernel,
+    _CONFIGS,
+    key=["N"],
+    variants=(
+        Variant({"HAS_WEIGHT": 1}, (_signature("*fp32", "*fp32"), _signature("*bf16", "*fp32"))),
+        Variant({"HAS_WEIGHT": 0}, (_signature("*fp32", "*fp32"), _signature("*bf16", "*bf16"))),
     ),
 )
+KERNELS = (_rms_norm_tuned,)

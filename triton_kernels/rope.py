@@ -15,7 +15,8 @@ Contract
 
 Kernel
     One task is ``BLOCK_R`` (token, head) rows: the NoPE part is copied in ``BLOCK_D`` sub-tiles, the
-    rope part is read as even and odd channels and rotated in fp32.
+    rope part is read as one contiguous tile, split into its even and odd channels on chip and rotated
+    in fp32 (no strided loads: Ascend moves contiguous rows only at full speed).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import triton
 import triton.language as tl
 
 from triton_kernels import runtime, tuning
-from triton_kernels.spec import KernelSpec, TuneConfig
+from triton_kernels.spec import TuneConfig, Variant
 
 _DTYPES = (torch.float32, torch.bfloat16)
 _POS_DTYPES = (torch.int32, torch.int64)
@@ -143,6 +144,7 @@ def _rope_kernel(
     D,
     P,
     stride_x,
+    stride_out,
     sign,
     HALF: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -153,12 +155,11 @@ def _rope_kernel(
     pair = tl.arange(0, HALF)
     pair_ok = pair < P
     freq = tl.load(freq_ptr + pair, mask=pair_ok, other=0.0)
-    even = nope + 2 * pair
     for task in range(pid, tl.cdiv(R, BLOCK_R), tl.num_programs(0)):
         rows = task * BLOCK_R + tl.arange(0, BLOCK_R)
         row_ok = rows < R
         src = x_ptr + rows[:, None] * stride_x
-        dst = out_ptr + rows[:, None] * D
+        dst = out_ptr + rows[:, None] * stride_out
         for d0 in range(0, nope, BLOCK_D):
             cols = d0 + tl.arange(0, BLOCK_D)
             mask = row_ok[:, None] & (cols[None, :] < nope)
@@ -167,11 +168,13 @@ def _rope_kernel(
         angle = pos[:, None] * freq[None, :]
         cos = tl.cos(angle)
         sin = tl.sin(angle) * sign
-        mask = row_ok[:, None] & pair_ok[None, :]
-        xe = tl.load(src + even[None, :], mask=mask, other=0.0).to(tl.float32)
-        xo = tl.load(src + even[None, :] + 1, mask=mask, other=0.0).to(tl.float32)
-        tl.store(dst + even[None, :], (xe * cos - xo * sin).to(out_ptr.dtype.element_ty), mask=mask)
-        tl.store(dst + even[None, :] + 1, (xo * cos + xe * sin).to(out_ptr.dtype.element_ty), mask=mask)
+        # The rope channels as one contiguous [rows, 2 * HALF] tile, split into its pairs on chip.
+        cols = nope + tl.arange(0, 2 * HALF)
+        mask = row_ok[:, None] & (cols[None, :] < D)
+        x = tl.load(src + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        xe, xo = tl.split(tl.reshape(x, [BLOCK_R, HALF, 2]))
+        y = tl.reshape(tl.join(xe * cos - xo * sin, xo * cos + xe * sin), [BLOCK_R, 2 * HALF])
+        tl.store(dst + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def apply_rope_triton(
@@ -184,7 +187,7 @@ def apply_rope_triton(
     rows = x2.shape[0]
     out = torch.empty((rows, d), dtype=x.dtype, device=x.device)
     if rows > 0:
-        _rope_tuned[lambda meta: runtime.grid(KERNELS[0], triton.cdiv(rows, meta["BLOCK_R"]))](
+        _rope_tuned[lambda meta: _rope_tuned.grid(triton.cdiv(rows, meta["BLOCK_R"]))](
             x2,
             positions.contiguous(),
             inv_freq.contiguous(),
@@ -194,10 +197,38 @@ def apply_rope_triton(
             d,
             p,
             x2.stride(0),
+            d,
             -1.0 if inverse else 1.0,
             HALF=triton.next_power_of_2(p),
         )
     return out.view(x.shape)
+
+
+def rotate_rope_channels_triton(
+    x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False
+) -> None:
+    """``apply_rope`` in place on a contiguous ``x [T, H, D]``, reading and writing only its last ``2P``
+    channels (the attention output's de-rotation: the NoPE channels are not touched)."""
+    t, heads, d = x.shape
+    p = inv_freq.numel()
+    rows = t * heads
+    if rows == 0 or p == 0:
+        return
+    rope = x.view(rows, d)[:, d - 2 * p :]
+    _rope_tuned[lambda meta: _rope_tuned.grid(triton.cdiv(rows, meta["BLOCK_R"]))](
+        rope,
+        positions.contiguous(),
+        inv_freq.contiguous(),
+        rope,
+        rows,
+        heads,
+        2 * p,
+        p,
+        d,
+        d,
+        -1.0 if inverse else 1.0,
+        HALF=triton.next_power_of_2(p),
+    )
 
 
 _HALF = 32  # rope_dim 64 in every release
@@ -212,20 +243,22 @@ _CONFIGS = tuple(
     TuneConfig({"BLOCK_R": br, "BLOCK_D": bd}, _ub_bytes(br, bd))
     for br, bd in ((4, 512), (16, 512), (64, 128))
 )
-_rope_tuned = tuning.TunedKernel(_rope_kernel, _CONFIGS, key=["D", "HALF"])
 
 
 def _signature(x: str, pos: str) -> dict[str, str]:
-    ints = dict.fromkeys(("R", "H", "D", "P", "stride_x"), "i32")
+    ints = dict.fromkeys(("R", "H", "D", "P", "stride_x", "stride_out"), "i32")
     return {"x_ptr": x, "pos_ptr": pos, "freq_ptr": "*fp32", "out_ptr": x, **ints, "sign": "fp32"}
 
 
-KERNELS: tuple[KernelSpec, ...] = (
-    KernelSpec(
-        _rope_kernel,
-        signatures=tuple(_signature(x, pos) for x in ("*fp32", "*bf16") for pos in ("*i64", "*i32")),
-        configs=_CONFIGS,
-        constexprs={"HALF": _HALF},
-        never_one=("D",),  # 2P <= D with P >= 1; the adapter crashes on D = P = 1
+_rope_tuned = tuning.TunedKernel(
+    _rope_kernel,
+    _CONFIGS,
+    key=["D", "HALF"],
+    variants=(
+        Variant(
+            {"HALF": _HALF}, tuple(_signature(x, pos) for x in ("*fp32", "*bf16") for pos in ("*i64", "*i32"))
+        ),
     ),
+    never_one=("D",),  # 2P <= D with P >= 1; the adapter crashes on D = P = 1
 )
+KERNELS = (_rope_tuned,)

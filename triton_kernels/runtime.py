@@ -26,7 +26,7 @@ import torch
 import triton
 
 from triton_kernels.sku import ASCEND_UB_BYTES, CPU, PROFILES, SkuProfile, find_profile, slug
-from triton_kernels.spec import KernelSpec, TuneConfig
+from triton_kernels.spec import TuneConfig
 
 _CUDA_SMEM_FALLBACK = 227 * 1024
 _MAX_GRID = 65535
@@ -143,9 +143,9 @@ def fits(config: TuneConfig) -> bool:
     return config.resident_bytes <= onchip_bytes()
 
 
-def grid(spec: KernelSpec, n_tasks: int) -> tuple[int]:
-    """Persistent 1-D grid: one program per core of the kind the kernel runs on, never more than tasks."""
-    cores = num_aicore() if spec.uses_cube else num_vectorcore()
+def grid(n_tasks: int, uses_cube: bool) -> tuple[int]:
+    """Persistent 1-D grid: one program per AI core (cube kernels) or vector core, never more than tasks."""
+    cores = num_aicore() if uses_cube else num_vectorcore()
     return (max(1, min(n_tasks, cores, _MAX_GRID)),)
 
 

@@ -12,8 +12,8 @@ Contract
     sigmoid(lse - sink_h)``, i.e. the softmax whose denominator also holds ``exp(sink_h)``; a row
     without valid slot gives zeros. ``sink_h`` is finite or ``-inf`` (plain softmax). With
     ``positions [T]`` and ``inv_freq [P]`` the output's last ``2P`` channels are de-rotated at each
-    query's position (``apply_rope(..., inverse=True)``, fused); ``D`` is then even. int8 pools are
-    compared against their dequantised reference (``kv * scale``).
+    query's position (``apply_rope(..., inverse=True)``, a pass over those channels only); ``D`` is then
+    even. int8 pools are compared against their dequantised reference (``kv * scale``).
     Limits: ``H <= MAX_HEADS``, ``D <= MAX_DIM``, every tensor under 2**31 elements (int32 offsets).
 
 Kernels
@@ -21,7 +21,7 @@ Kernels
     slots, so each gathered ``[BLOCK_N, D]`` key tile feeds transposed scores ``[BLOCK_N, D] x [D,
     BLOCK_H]`` and the value product ``[BLOCK_H, BLOCK_N] x [BLOCK_N, D]`` on the cube unit, with an
     online softmax whose running max starts at a finite sentinel (fully masked tiles never produce
-    ``inf - inf``). Prefill (``SPLITS = 1``) normalises, adds the sink and de-rotates in the epilogue.
+    ``inf - inf``). Prefill (``SPLITS = 1``) normalises and adds the sink in the epilogue.
     Decode has too few (token, head block) tasks to fill the cores (``decode_split``): each pool's slot
     axis is cut into ``SPLITS`` chunks (autotuned), partial ``(max, sum, acc)`` go to a scratch buffer
     and ``_merge_kernel`` combines them by log-sum-exp, one (token, head) row per task. bf16 queries use
@@ -40,9 +40,9 @@ import triton.language as tl
 
 from triton_kernels import runtime, tuning
 from triton_kernels.quant import dequantize_int8
-from triton_kernels.rope import apply_rope_ref
+from triton_kernels.rope import apply_rope_ref, rotate_rope_channels_triton
 from triton_kernels.safe_access import gather_rows
-from triton_kernels.spec import KernelSpec, TuneConfig
+from triton_kernels.spec import TuneConfig, Variant
 
 MAX_HEADS = 128
 MAX_DIM = 512
@@ -187,23 +187,6 @@ def sparse_attention_ref(
 
 
 @triton.jit
-def rotate_rows(x, pos, freq_ptr, nope, P, sign, DP: tl.constexpr):
-    """Rows ``x [R, DP]`` whose pairs ``(nope + 2i, nope + 2i + 1)``, ``i < P``, turn by ``sign·pos·freq[i]``.
-
-    ``nope`` is even, so every pair starts at an even channel; the other pairs turn by 0 (unchanged).
-    """
-    rows: tl.constexpr = x.shape[0]
-    even, odd = tl.split(tl.reshape(x, [rows, DP // 2, 2]))
-    i = tl.arange(0, DP // 2) - nope // 2
-    turns = (i >= 0) & (i < P)
-    safe = tl.minimum(tl.maximum(i, 0), P - 1)
-    angle = pos * tl.load(freq_ptr + safe, mask=turns, other=0.0)  # in-bounds: index clamped to [0, P)
-    cos = tl.cos(angle)[None, :]
-    sin = (tl.sin(angle) * sign)[None, :]
-    return tl.reshape(tl.join(even * cos - odd * sin, odd * cos + even * sin), [rows, DP])
-
-
-@triton.jit
 def _attend(
     qt,
     m,
@@ -276,8 +259,6 @@ def _sparse_attn_kernel(
     ks1_ptr,
     idx1_ptr,
     sink_ptr,
-    pos_ptr,
-    freq_ptr,
     out_ptr,
     lse_ptr,
     part_ptr,
@@ -289,11 +270,9 @@ def _sparse_attn_kernel(
     K1,
     S0,
     S1,
-    P,
     scale,
     QUANT: tl.constexpr,
     BF16_DOT: tl.constexpr,
-    ROPE: tl.constexpr,
     DP: tl.constexpr,
     SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -359,9 +338,6 @@ def _sparse_attn_kernel(
         )
         if SPLITS == 1:
             out, lse = _finish(acc, m, total, tl.load(sink_ptr + h, mask=h_ok, other=0.0))
-            if ROPE:
-                pos = tl.load(pos_ptr + t).to(tl.float32)
-                out = rotate_rows(out, pos, freq_ptr, D - 2 * P, P, -1.0, DP)
             mask = h_ok[:, None] & d_ok[None, :]
             tl.store(out_ptr + rows[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
             tl.store(lse_ptr + rows, lse, mask=h_ok)
@@ -377,16 +353,12 @@ def _merge_kernel(
     part_ptr,
     part_ml_ptr,
     sink_ptr,
-    pos_ptr,
-    freq_ptr,
     out_ptr,
     lse_ptr,
     T,
     H,
     D,
-    P,
     n_splits,
-    ROPE: tl.constexpr,
     SP: tl.constexpr,
     DP: tl.constexpr,
 ):
@@ -406,9 +378,6 @@ def _merge_kernel(
         acc = tl.sum(w[:, None] * acc_s, axis=0)[None, :]
         one = tl.zeros([1], dtype=tl.float32)  # the epilogue works on rows: a row of one head
         out, lse = _finish(acc, one + m, one + tl.sum(w * l_s, axis=0), one + tl.load(sink_ptr + row % H))
-        if ROPE:
-            pos = tl.load(pos_ptr + row // H).to(tl.float32)
-            out = rotate_rows(out, pos, freq_ptr, D - 2 * P, P, -1.0, DP)
         tl.store(out_ptr + row * D + d[None, :], out.to(out_ptr.dtype.element_ty), mask=d_ok[None, :])
         tl.store(lse_ptr + row + tl.arange(0, 1), lse)
 
@@ -430,36 +399,32 @@ def sparse_attention_triton(
     if t == 0:
         return out, lse
     (kv0, ks0, idx0), (kv1, ks1, idx1) = _pool_operands(pools, sink)
-    rope = inv_freq is not None
-    pos = positions.to(torch.int32).contiguous() if rope else idx0  # never read without rope
-    freq = inv_freq.contiguous() if rope else sink
-    p = inv_freq.numel() if rope else 0
     consts = {
         "QUANT": kv0.dtype == torch.int8,
         # The interpreter stores bf16 as uint16: its bf16 dots are wrong.
         "BF16_DOT": q.dtype == torch.bfloat16 and not runtime.interpreter_active(),
-        "ROPE": rope,
         "DP": _pad(d),
     }
-    operands = (q, kv0, ks0, idx0, kv1, ks1, idx1, sink, pos, freq)
-    sizes = (t, h, d, idx0.shape[1], idx1.shape[1], kv0.stride(0), kv1.stride(0), p, scale)
+    operands = (q, kv0, ks0, idx0, kv1, ks1, idx1, sink)
+    sizes = (t, h, d, idx0.shape[1], idx1.shape[1], kv0.stride(0), kv1.stride(0), scale)
     if split is None:
         split = decode_split(t, h)
     if not split:
-        _prefill_tuned[lambda meta: runtime.grid(KERNELS[0], t * triton.cdiv(h, meta["BLOCK_H"]))](
+        _prefill_tuned[lambda meta: _prefill_tuned.grid(t * triton.cdiv(h, meta["BLOCK_H"]))](
             *operands, out, lse, out, lse, *sizes, **consts
         )
-        return out, lse
-    rows = t * h * _MAX_SPLITS
-    part = torch.empty((rows, d), dtype=torch.float32, device=q.device)
-    part_ml = torch.empty((rows, 2), dtype=torch.float32, device=q.device)
-    _decode_tuned[
-        lambda meta: runtime.grid(KERNELS[0], t * triton.cdiv(h, meta["BLOCK_H"]) * meta["SPLITS"])
-    ](*operands, out, lse, part, part_ml, *sizes, **consts)
-    n_splits = _decode_tuned.last_config.params["SPLITS"]
-    _merge_tuned[lambda meta: runtime.grid(KERNELS[-1], t * h)](
-        part, part_ml, sink, pos, freq, out, lse, t, h, d, p, n_splits, ROPE=rope, SP=_MAX_SPLITS, DP=_pad(d)
-    )
+    else:
+        rows = t * h * _MAX_SPLITS
+        part = torch.empty((rows, d), dtype=torch.float32, device=q.device)
+        part_ml = torch.empty((rows, 2), dtype=torch.float32, device=q.device)
+        chosen = _decode_tuned[
+            lambda meta: _decode_tuned.grid(t * triton.cdiv(h, meta["BLOCK_H"]) * meta["SPLITS"])
+        ](*operands, out, lse, part, part_ml, *sizes, **consts)
+        _merge_tuned[_merge_tuned.grid(t * h)](
+            part, part_ml, sink, out, lse, t, h, d, chosen.params["SPLITS"], SP=_MAX_SPLITS, DP=_pad(d)
+        )
+    if inv_freq is not None:  # only the RoPE channels: a pass of their own keeps the attention tile small
+        rotate_rope_channels_triton(out, positions, inv_freq, inverse=True)
     return out, lse
 
 
@@ -489,22 +454,21 @@ def _pad(d: int) -> int:
     return max(16, triton.next_power_of_2(d))
 
 
-# Footprints at D = 512 (IR sums up to 182.5 KiB for fp32 prefill): the transposed query and the
-# accumulator [BLOCK_H, DP] fp32, a [BLOCK_N, DP] fp32 key tile per pool loop (both counted, one is live),
-# score, probability and mask tiles [BLOCK_N, BLOCK_H]; the prefill epilogue adds the rotation's even,
-# odd and joined halves. Larger tiles do not fit the unified buffer at D = 512, even single-buffered.
+# Footprints at D = 512: the transposed query and the accumulator [BLOCK_H, DP] fp32, a [BLOCK_N, DP] fp32
+# key tile per pool loop (both counted, one is live), score, probability and mask tiles [BLOCK_N, BLOCK_H].
+# Larger tiles do not fit the unified buffer at D = 512, even single-buffered; the output's de-rotation
+# is a pass of its own (rope) as its even, odd and joined halves would add a quarter of the buffer.
 _DP = MAX_DIM
 _MAX_SPLITS = 8
 
 
-def _attn_ub(splits: int, block_h: int, block_n: int) -> int:
-    ub = 4 * _DP * (2 * block_h + 2 * block_n) + 4 * 16 * block_h * block_n
-    return ub + (6 * block_h * _DP if splits == 1 else 0)
+def _attn_ub(block_h: int, block_n: int) -> int:
+    return 4 * _DP * (2 * block_h + 2 * block_n) + 4 * 16 * block_h * block_n
 
 
 def _attn_configs(shapes: tuple[tuple[int, int, int], ...]) -> tuple[TuneConfig, ...]:
     return tuple(
-        TuneConfig({"SPLITS": s, "BLOCK_H": bh, "BLOCK_N": bn}, _attn_ub(s, bh, bn), multibuffer=False)
+        TuneConfig({"SPLITS": s, "BLOCK_H": bh, "BLOCK_N": bn}, _attn_ub(bh, bn), multibuffer=False)
         for s, bh, bn in shapes
     )
 
@@ -513,10 +477,6 @@ _PREFILL_CONFIGS = _attn_configs(((1, _MIN_BLOCK_H, 16),))
 _DECODE_CONFIGS = _attn_configs(tuple((s, _MIN_BLOCK_H, 16) for s in (2, 4, _MAX_SPLITS)))
 # The partial tile and its weighted copy [SP, DP], then the output row and its rotation temporaries.
 _MERGE_CONFIGS = (TuneConfig({}, 4 * (2 * _MAX_SPLITS * _DP + 8 * _DP)),)
-_prefill_tuned = tuning.TunedKernel(_sparse_attn_kernel, _PREFILL_CONFIGS, ["H", "D"], "prefill")
-# Decode batches come in the fixed sizes the engine captures graphs for: tuned per batch size.
-_decode_tuned = tuning.TunedKernel(_sparse_attn_kernel, _DECODE_CONFIGS, ["T", "H", "D"], "decode")
-_merge_tuned = tuning.TunedKernel(_merge_kernel, _MERGE_CONFIGS, key=["D"])
 
 
 def _attn_signature(q: str, kv0: str, kv1: str) -> dict[str, str]:
@@ -526,13 +486,11 @@ def _attn_signature(q: str, kv0: str, kv1: str) -> dict[str, str]:
         **pool,
         "idx1_ptr": "*i32",
         "sink_ptr": "*fp32",
-        "pos_ptr": "*i32",
-        "freq_ptr": "*fp32",
         "out_ptr": q,
         "lse_ptr": "*fp32",
         "part_ptr": "*fp32",
         "part_ml_ptr": "*fp32",
-        **dict.fromkeys(("T", "H", "D", "K0", "K1", "S0", "S1", "P"), "i32"),
+        **dict.fromkeys(("T", "H", "D", "K0", "K1", "S0", "S1"), "i32"),
         "scale": "fp32",
     }
 
@@ -549,30 +507,29 @@ _VARIANTS = {
 def _merge_signature(out: str) -> dict[str, str]:
     return {
         **dict.fromkeys(("part_ptr", "part_ml_ptr", "sink_ptr"), "*fp32"),
-        "pos_ptr": "*i32",
-        "freq_ptr": "*fp32",
         "out_ptr": out,
         "lse_ptr": "*fp32",
-        **dict.fromkeys(("T", "H", "D", "P", "n_splits"), "i32"),
+        **dict.fromkeys(("T", "H", "D", "n_splits"), "i32"),
     }
 
 
-KERNELS: tuple[KernelSpec, ...] = (
-    *(
-        KernelSpec(
-            _sparse_attn_kernel,
-            signatures=tuple(_attn_signature(*dtypes) for dtypes in variants),
-            configs=configs,
-            constexprs={"QUANT": quant, "BF16_DOT": bf16, "ROPE": 1, "DP": _DP},
-            uses_cube=True,
-        )
-        for configs in (_PREFILL_CONFIGS, _DECODE_CONFIGS)
-        for (quant, bf16), variants in _VARIANTS.items()
-    ),
-    KernelSpec(
-        _merge_kernel,
-        signatures=(_merge_signature("*fp32"), _merge_signature("*bf16")),
-        configs=_MERGE_CONFIGS,
-        constexprs={"ROPE": 1, "SP": _MAX_SPLITS, "DP": _DP},
+_ATTN_VARIANTS = tuple(
+    Variant({"QUANT": quant, "BF16_DOT": bf16, "DP": _DP}, tuple(_attn_signature(*d) for d in dtypes))
+    for (quant, bf16), dtypes in _VARIANTS.items()
+)
+_prefill_tuned = tuning.TunedKernel(
+    _sparse_attn_kernel, _PREFILL_CONFIGS, ["H", "D"], "prefill", variants=_ATTN_VARIANTS, uses_cube=True
+)
+# Decode batches come in the fixed sizes the engine captures graphs for: tuned per batch size.
+_decode_tuned = tuning.TunedKernel(
+    _sparse_attn_kernel, _DECODE_CONFIGS, ["T", "H", "D"], "decode", variants=_ATTN_VARIANTS, uses_cube=True
+)
+_merge_tuned = tuning.TunedKernel(
+    _merge_kernel,
+    _MERGE_CONFIGS,
+    key=["D"],
+    variants=(
+        Variant({"SP": _MAX_SPLITS, "DP": _DP}, (_merge_signature("*fp32"), _merge_signature("*bf16"))),
     ),
 )
+KERNELS = (_prefill_tuned, _decode_tuned, _merge_tuned)

@@ -1,16 +1,14 @@
-"""What every op file declares about its Triton kernels.
+"""The parts of a kernel's declaration: its autotune points and the variants it is compiled for.
 
-Each op module exposes ``KERNELS: tuple[KernelSpec, ...]``. The tuned kernels of ``tuning``
-launch with one of the configs (refusing those whose footprint does not fit the SKU's on-chip
-budget), sweeps time them, and the Ascend lowering gate reads everything, so the declaration
-cannot drift from the kernels: a ``@triton.jit`` function of ``triton_kernels`` that no spec
-names is an error of the gate.
+Each op module exposes ``KERNELS: tuple[tuning.TunedKernel, ...]``, one declaration per kernel: the
+launcher launches it, sweeps time it and the Ascend lowering gate lowers it, so the declaration cannot
+drift from the kernels (a ``@triton.jit`` function of ``triton_kernels`` that no declaration names is an
+error of the gate).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 # Ends the source line of a masked load/store whose addresses are valid for every lane, masked or not
 # (indices clamped, operands padded): Ascend's discrete-mask pass may turn it into an unmasked access.
@@ -37,27 +35,10 @@ class TuneConfig:
 
 
 @dataclass(frozen=True)
-class KernelSpec:
-    """A kernel, the argument types it is compiled for and its autotune space.
+class Variant:
+    """Constexpr values the model fixes (not tuned: a head dim, a mode) and the argument types a launch
+    with them has: ``signatures`` maps each non-constexpr parameter to a Triton type (``"*fp32"``,
+    ``"i32"``), one entry per dtype the op launches it with."""
 
-    ``signatures`` maps each non-constexpr parameter to a Triton type (``"*fp32"``, ``"i32"``);
-    one entry per dtype variant the op launches. ``constexprs`` fixes constexpr parameters
-    that are not tuned (e.g. a head dim) to representative model values. ``uses_cube`` is
-    True for kernels with ``tl.dot``: they launch one program per AI core (cube + vector,
-    Ascend ``mix`` mode); the others launch one per vector core (``aiv``). The runtime specialises
-    integer arguments equal to 1 or divisible by 16 unless the kernel lists them in
-    ``do_not_specialize`` (batch sizes and counts do, so each batch size does not compile again);
-    the gate lowers each kernel once with each hint.
-    """
-
-    kernel: Any
+    constexprs: dict[str, int]
     signatures: tuple[dict[str, str], ...]
-    configs: tuple[TuneConfig, ...]
-    constexprs: dict[str, int] = field(default_factory=dict)
-    uses_cube: bool = False
-    # Integer arguments no valid launch passes as 1: the gate's "equal to 1" sweep leaves them at 16.
-    never_one: tuple[str, ...] = ()
-
-    @property
-    def name(self) -> str:
-        return self.kernel.fn.__name__ if hasattr(self.kernel, "fn") else self.kernel.__name__

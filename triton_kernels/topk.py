@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from triton_kernels import runtime, tuning
-from triton_kernels.spec import KernelSpec, TuneConfig
+from triton_kernels.spec import TuneConfig, Variant
 
 MAX_K = 2048
 MAX_CANDIDATE_BLOCK = 256  # positions per candidate block: one block-maximum tile holds whole blocks
@@ -257,7 +257,7 @@ def topk_positions_triton(scores: torch.Tensor, k: int) -> torch.Tensor:
     if t > 0 and k > 0:
         if scores.stride(1) != 1:
             scores = scores.contiguous()
-        _topk_tuned[runtime.grid(KERNELS[0], t)](scores, out, t, n, scores.stride(0), k)
+        _topk_tuned[_topk_tuned.grid(t)](scores, out, t, n, scores.stride(0), k)
     return out
 
 
@@ -268,7 +268,7 @@ def candidate_blocks_triton(
     out = torch.empty((t, topk_blocks), dtype=torch.int32, device=scores.device)
     if t > 0 and topk_blocks > 0:
         scores = scores.contiguous()  # row stride n: the kernel sizes its scratch rows from it
-        grid = runtime.grid(KERNELS[1], t)
+        grid = _candidate_tuned.grid(t)
         scratch = torch.empty((grid[0], max(1, triton.cdiv(n, block_size))), device=scores.device)
         _candidate_tuned[grid](
             scores, visible.contiguous(), scratch, out, t, n, topk_blocks, CAND_BLOCK=block_size
@@ -283,31 +283,37 @@ def select_ub(block_s: int) -> int:
 
 
 _CONFIGS = tuple(TuneConfig({"BLOCK_S": bs}, select_ub(bs)) for bs in (512, 1024, 2048))
-_topk_tuned = tuning.TunedKernel(_topk_kernel, _CONFIGS, key=["K"])
-_candidate_tuned = tuning.TunedKernel(_candidate_kernel, _CONFIGS, key=["KB", "CAND_BLOCK"])
 
-KERNELS: tuple[KernelSpec, ...] = (
-    KernelSpec(
-        _topk_kernel,
-        signatures=(
-            {"s_ptr": "*fp32", "out_ptr": "*i32", "T": "i32", "N": "i32", "stride_s": "i32", "K": "i32"},
+_topk_tuned = tuning.TunedKernel(
+    _topk_kernel,
+    _CONFIGS,
+    key=["K"],
+    variants=(
+        Variant(
+            {},
+            ({"s_ptr": "*fp32", "out_ptr": "*i32", "T": "i32", "N": "i32", "stride_s": "i32", "K": "i32"},),
         ),
-        configs=_CONFIGS,
-    ),
-    KernelSpec(
-        _candidate_kernel,
-        signatures=(
-            {
-                "s_ptr": "*fp32",
-                "vis_ptr": "*i32",
-                "scratch_ptr": "*fp32",
-                "out_ptr": "*i32",
-                "T": "i32",
-                "stride_s": "i32",
-                "KB": "i32",
-            },
-        ),
-        configs=_CONFIGS,
-        constexprs={"CAND_BLOCK": 8},
     ),
 )
+_candidate_tuned = tuning.TunedKernel(
+    _candidate_kernel,
+    _CONFIGS,
+    key=["KB", "CAND_BLOCK"],
+    variants=(
+        Variant(
+            {"CAND_BLOCK": 8},
+            (
+                {
+                    "s_ptr": "*fp32",
+                    "vis_ptr": "*i32",
+                    "scratch_ptr": "*fp32",
+                    "out_ptr": "*i32",
+                    "T": "i32",
+                    "stride_s": "i32",
+                    "KB": "i32",
+                },
+            ),
+        ),
+    ),
+)
+KERNELS = (_topk_tuned, _candidate_tuned)

@@ -36,7 +36,7 @@ from typing import Any
 import triton
 
 from triton_kernels import runtime
-from triton_kernels.spec import TuneConfig
+from triton_kernels.spec import TuneConfig, Variant
 
 FORMAT = 1
 _DEFAULT_DIR = Path(__file__).resolve().parents[1] / "autotune" / "configs"
@@ -112,43 +112,78 @@ def _as_compiled(kernel: Any, named: dict[str, Any]) -> tuple[dict[str, str], di
 
 
 class TunedKernel:
-    """A ``@triton.jit`` kernel launched as ``tuned[grid](*args, **kwargs)``: its chosen config's
-    constexprs are added (and ``multibuffer`` on the NPU, the only backend that takes it).
+    """The one declaration of a ``@triton.jit`` kernel: what it is compiled for, its autotune space and
+    how a launch picks its config. Launchers call ``tuned[tuned.grid(n)](*args, **kwargs)`` (the chosen
+    config's constexprs are added, and ``multibuffer`` on the NPU, the only backend that takes it) and get
+    the config back; ``python -m autotune`` times it; the Ascend gate lowers it.
 
     ``key`` names the arguments whose values pick the bucket. ``name`` (default: the kernel's) must be
     unique in the op module: two tuned kernels over one ``@triton.jit`` function need their own.
-    ``last_config`` is the config of the latest launch.
+    ``variants`` are what the gate lowers: the model's fixed constexprs and the argument types launched
+    with them. ``uses_cube`` is True for kernels with ``tl.dot``: they launch one program per AI core
+    (cube + vector, Ascend ``mix`` mode); the others one per vector core (``aiv``). ``never_one`` names
+    integer arguments no valid launch passes as 1 (the gate's "equal to 1" specialisation leaves them
+    at 16); batch sizes and counts are ``do_not_specialize`` in the kernel itself.
     """
 
     def __init__(
-        self, kernel: Any, configs: Sequence[TuneConfig], key: Sequence[str], name: str = ""
+        self,
+        kernel: Any,
+        configs: Sequence[TuneConfig],
+        key: Sequence[str] = (),
+        name: str = "",
+        *,
+        variants: Sequence[Variant] = (),
+        uses_cube: bool = False,
+        never_one: Sequence[str] = (),
+        register: bool = True,
     ) -> None:
         self.kernel, self.configs, self.key = kernel, tuple(configs), tuple(key)
+        self.variants, self.uses_cube, self.never_one = tuple(variants), uses_cube, tuple(never_one)
         self.op = kernel.fn.__module__.rsplit(".", 1)[-1]
         self.name = name or kernel.fn.__name__
         if not self.configs:
             raise ValueError(f"{self.op}.{self.name}: configs: none declared, at least one is needed")
-        declared = _registry.setdefault(self.op, {})
-        if self.name in declared:
-            raise ValueError(f"{self.op}.{self.name}: name: already taken by a tuned kernel of {self.op}")
-        declared[self.name] = self
-        self.last_config: TuneConfig | None = None
+        if register:
+            declared = _registry.setdefault(self.op, {})
+            if self.name in declared:
+                raise ValueError(f"{self.op}.{self.name}: name: already taken by a tuned kernel of {self.op}")
+            declared[self.name] = self
         self._forced: TuneConfig | None = None
 
-    def __getitem__(self, grid: Any) -> Callable[..., Any]:
+    def grid(self, n_tasks: int) -> tuple[int]:
+        """Persistent 1-D grid: one program per core of the kind the kernel runs on, never more than tasks."""
+        return runtime.grid(n_tasks, self.uses_cube)
+
+    def launched(self, signature: dict[str, str], constexprs: dict[str, int]) -> TunedKernel:
+        """This kernel as one recorded launch compiled it (all constexprs fixed), for the gate."""
+        variant = Variant(constexprs, (signature,))
+        return TunedKernel(
+            self.kernel,
+            (TuneConfig({}, 0),),
+            self.key,
+            self.name,
+            variants=(variant,),
+            uses_cube=self.uses_cube,
+            never_one=self.never_one,
+            register=False,
+        )
+
+    def __getitem__(self, grid: Any) -> Callable[..., TuneConfig]:
         return functools.partial(self.run, grid)
 
-    def run(self, grid: Any, *args: Any, **kwargs: Any) -> Any:
+    def run(self, grid: Any, *args: Any, **kwargs: Any) -> TuneConfig:
+        """Launches the kernel; the config it chose."""
         named = {**dict(zip(self.kernel.arg_names[: len(args)], args, strict=True)), **kwargs}
         bucket = bucket_of({k: named[k] for k in self.key})
         config = self._forced or self.choose(bucket)
-        self.last_config = config
         if _recording is not None:
             _recording.append(
                 Launch(self, bucket, config, *_as_compiled(self.kernel, {**named, **config.params}))
             )
         options = {"multibuffer": config.multibuffer} if runtime.backend() == "npu" else {}
-        return self.kernel[grid](*args, **kwargs, **config.params, **options)
+        self.kernel[grid](*args, **kwargs, **config.params, **options)
+        return config
 
     def choose(self, bucket: str) -> TuneConfig:
         chosen = _tuned(str(tuned_dir()), runtime.sku(), self.op, runtime.backend()).get(self.name, {})

@@ -9,7 +9,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from triton_kernels.spec import KernelSpec, TuneConfig
+from triton_kernels.spec import TuneConfig, Variant
+from triton_kernels.tuning import TunedKernel
 
 _VEC = {"x_ptr": "*fp32", "y_ptr": "*fp32", "n": "i32"}
 _CONFIG = (TuneConfig({"BLOCK": 1024}, 8 * 1024),)
@@ -46,7 +47,7 @@ def pointer_select_kernel(a_ptr, b_ptr, y_ptr, n, use_a, BLOCK: tl.constexpr):  
 
 # tl.dot makes a cube+vector (mix) kernel, but its spec would launch it on vector cores.
 @triton.jit
-def cube_as_vector_kernel(a_ptr, c_ptr, BLOCK: tl.constexpr):  # gate: mix_mode=mix but KernelSpec.uses_cube
+def cube_as_vector_kernel(a_ptr, c_ptr, BLOCK: tl.constexpr):  # gate: mix_mode=mix but uses_cube
     r = tl.arange(0, BLOCK)
     a = tl.load(a_ptr + r[:, None] * BLOCK + r[None, :])
     tl.store(c_ptr + r[:, None] * BLOCK + r[None, :], tl.dot(a, a))
@@ -62,28 +63,43 @@ def unclamped_gather_kernel(x_ptr, idx_ptr, y_ptr, n, BLOCK: tl.constexpr):
     tl.store(y_ptr + offs, y, mask=offs < n)
 
 
-# In no KernelSpec: nothing would ever lower it.
+# A 128 KiB fp32 tile, loaded, doubled and stored: its IR buffers exceed 80 % of the unified buffer.
 @triton.jit
-def undeclared_kernel(x_ptr, BLOCK: tl.constexpr):  # gate: in no KernelSpec
+def oversized_tile_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):  # gate: over the budget
+    offs = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n)
+    tl.store(y_ptr + offs, x * 2.0, mask=offs < n)
+
+
+# In no KERNELS entry: nothing would ever lower it.
+@triton.jit
+def undeclared_kernel(x_ptr, BLOCK: tl.constexpr):  # gate: in no KERNELS entry
     tl.store(x_ptr + tl.arange(0, BLOCK), tl.zeros([BLOCK], dtype=tl.float32))
 
 
-KERNELS: tuple[KernelSpec, ...] = (
-    KernelSpec(fp8_cast_kernel, signatures=(_VEC,), configs=_CONFIG),
-    KernelSpec(fp8_helper_kernel, signatures=(_VEC,), configs=_CONFIG),
-    KernelSpec(
+KERNELS = (
+    TunedKernel(fp8_cast_kernel, _CONFIG, variants=(Variant({}, (_VEC,)),)),
+    TunedKernel(fp8_helper_kernel, _CONFIG, variants=(Variant({}, (_VEC,)),)),
+    TunedKernel(
         pointer_select_kernel,
-        signatures=({"a_ptr": "*fp32", "b_ptr": "*fp32", "y_ptr": "*fp32", "n": "i32", "use_a": "i32"},),
-        configs=_CONFIG,
+        _CONFIG,
+        variants=(
+            Variant(
+                {}, ({"a_ptr": "*fp32", "b_ptr": "*fp32", "y_ptr": "*fp32", "n": "i32", "use_a": "i32"},)
+            ),
+        ),
     ),
-    KernelSpec(
+    TunedKernel(
         unclamped_gather_kernel,
-        signatures=({"x_ptr": "*fp32", "idx_ptr": "*i32", "y_ptr": "*fp32", "n": "i32"},),
-        configs=_CONFIG,
+        _CONFIG,
+        variants=(Variant({}, ({"x_ptr": "*fp32", "idx_ptr": "*i32", "y_ptr": "*fp32", "n": "i32"},)),),
     ),
-    KernelSpec(
+    TunedKernel(
+        oversized_tile_kernel, (TuneConfig({"BLOCK": 32768}, 128 * 1024),), variants=(Variant({}, (_VEC,)),)
+    ),
+    TunedKernel(
         cube_as_vector_kernel,
-        signatures=({"a_ptr": "*fp16", "c_ptr": "*fp16"},),
-        configs=(TuneConfig({"BLOCK": 64}, 24 * 1024),),
+        (TuneConfig({"BLOCK": 64}, 24 * 1024),),
+        variants=(Variant({}, ({"a_ptr": "*fp16", "c_ptr": "*fp16"},)),),
     ),
 )

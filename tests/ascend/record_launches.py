@@ -1,8 +1,12 @@
-"""Records the Triton launches of the tiny V4 and V4.1 models into launches.json, for the Ascend gate.
+"""Records the Triton launches of the tiny V4 and V4.1 models, and of V4-Flash and V4.1-Flash, into
+launches.json, for the Ascend gate.
 
 The gate lowers every (kernel, signature, constexprs) recorded here, so the constexpr values and dtypes
-the models really launch are compiled for Ascend, not only the representative ones of ``KERNELS``. Run it
-in the main venv (upstream triton, interpreter) after a change to a launcher or to the models; the
+the models really launch are compiled for Ascend, not only the representative ones of ``KERNELS``. The
+tiny models run in fp32 from their checkpoints; the releases in bf16 (the device default) at their own
+widths (model-spec §2: heads, head and rope dims, ranks, Engram heads: all that shapes a constexpr), with
+the toy's depth, vocabulary and a pair of routed experts, and random weights, so that they fit a CPU.
+Run it in the main venv (upstream triton, interpreter) after a change to a launcher or to the models; the
 accesses marked in bounds are checked for every lane meanwhile (tests/triton_kernels/bounds.py):
 
     python tests/ascend/record_launches.py
@@ -22,8 +26,11 @@ os.environ["DSV4_TRITON_ON_CPU"] = "1"
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from model.checkpoint import load_model  # noqa: E402
-from model.tiny import ARCHS, write_tiny  # noqa: E402
+from model.checkpoint import build_model, load_model, parameter_dtype  # noqa: E402
+from model.config import ModelConfig  # noqa: E402
+from model.engram import bucket_layout  # noqa: E402
+from model.tiny import ARCHS, toy_config, write_tiny  # noqa: E402
+from model.tokenizer import TOKENIZER_PATH  # noqa: E402
 from tests.triton_kernels.bounds import PACKAGE, BoundsCheck, marked_lines  # noqa: E402
 from triton_kernels import tuning  # noqa: E402
 
@@ -32,10 +39,67 @@ OUT = Path(__file__).resolve().with_name("launches.json")
 CHUNKS = (12, 1, 3)
 
 
-def record(arch: str) -> list[tuning.Launch]:
+_V4_FLASH = {
+    "hidden_size": 4096,
+    "num_attention_heads": 64,
+    "head_dim": 512,
+    "qk_rope_head_dim": 64,
+    "q_lora_rank": 1024,
+    "o_groups": 8,
+    "o_lora_rank": 1024,
+    "index_n_heads": 64,
+    "index_head_dim": 128,
+    "index_topk": 512,
+    "moe_intermediate_size": 2048,
+}
+_V41_FLASH = {
+    **_V4_FLASH,
+    "hidden_size": 5120,
+    "q_lora_rank": 1280,
+    "index_n_heads": 32,
+    "moe_intermediate_size": 2304,
+    "candidate_topk_blocks": 2048,
+    "candidate_block_size": 8,
+    "engram_n_heads": 8,
+    "engram_head_dim": 256,
+}
+_FEW_EXPERTS = {"n_routed_experts": 2, "num_experts_per_tok": 2}
+RELEASES = {"v4-flash": ("v4", _V4_FLASH), "v41-flash": ("v41", _V41_FLASH)}
+
+
+def release_model(name: str) -> torch.nn.Module:
+    """The release ``name`` at its widths in bf16 with random weights (see the module docstring)."""
+    arch, widths = RELEASES[name]
+    raw = toy_config(arch)
+    text = raw.get("text_config", raw)
+    text.update(widths, **_FEW_EXPERTS)
+    if "dspark_n_routed_experts" in text:
+        text.update(dspark_n_routed_experts=2, dspark_num_experts_per_tok=2)
+    if "engram_layer_ids" in text:  # the table rows follow from the heads: the primes of each head
+        orders = (len(text["engram_layer_ids"]), text["engram_max_ngram_size"], text["engram_n_heads"])
+        text["engram_num_embeddings"] = list(bucket_layout(*orders, text["engram_vocab_size"]).rows)
+    model = build_model(ModelConfig.from_dict(raw), TOKENIZER_PATH)
+    for param_name, param in model.named_parameters():
+        param.data = param.data.to(parameter_dtype(param_name, torch.bfloat16))
+    model = model.to_empty(device="cpu")
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for t in model.state_dict().values():
+            if t.is_floating_point():
+                t.copy_(torch.randn(t.shape, generator=gen) / t.shape[-1] ** 0.5 + (t.dim() == 1))
+            else:  # tid2eid: expert ids
+                t.copy_(torch.randint(0, 2, t.shape, generator=gen))
+    model.init_buffers()
+    return model.requires_grad_(False).eval()
+
+
+def record(name: str) -> list[tuning.Launch]:
     """The model's launches; every lane of the accesses marked in bounds is checked on the way."""
-    with tempfile.TemporaryDirectory() as tmp:
-        model = load_model(write_tiny(Path(tmp), arch))
+    if name in RELEASES:
+        model = release_model(name)
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            model = load_model(write_tiny(Path(tmp), name))
     ids = torch.randint(3, model.cfg.vocab_size, (sum(CHUNKS),), generator=torch.Generator().manual_seed(0))
     state, start = model.new_state(), 0
     check = BoundsCheck(marked_lines(sorted(PACKAGE.glob("*.py"))))
@@ -44,17 +108,17 @@ def record(arch: str) -> list[tuning.Launch]:
         for size in CHUNKS:
             model(ids[start : start + size], state)
             start += size
-    print(f"{arch}: {len(launches)} launches, {sum(check.hits.values())} checked marked accesses in bounds")
+    print(f"{name}: {len(launches)} launches, {sum(check.hits.values())} checked marked accesses in bounds")
     return launches
 
 
 def main() -> int:
     entries: dict[str, dict] = {}
-    for arch in ARCHS:
+    for arch in (*ARCHS, *RELEASES):
         for launch in record(arch):
             entry = {
                 "op": launch.kernel.op,
-                "kernel": launch.kernel.kernel.fn.__name__,
+                "kernel": launch.kernel.name,
                 "signature": launch.signature,
                 "constexprs": launch.constexprs,
             }
@@ -65,7 +129,7 @@ def main() -> int:
     for entry in unique:
         entry["models"] = sorted(set(entry["models"]))
     OUT.write_text(json.dumps({"launches": unique}, indent=1) + "\n")
-    print(f"{len(unique)} distinct launches of {', '.join(ARCHS)} written to {OUT}")
+    print(f"{len(unique)} distinct launches of {', '.join((*ARCHS, *RELEASES))} written to {OUT}")
     return 0
 
 

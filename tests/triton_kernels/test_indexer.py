@@ -337,7 +337,7 @@ def test_candidate_validation(candidates: torch.Tensor, match: str) -> None:
 
 
 def test_empty_does_not_launch(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("_logits_float", "_logits_int8", "_TOPK_TUNED"):
+    for name in ("_LOGITS_TUNED", "_TOPK_TUNED"):
         monkeypatch.setattr(indexer, name, None)  # any launch would fail
     queries, pool = _batch((3,), (0,))
     none = IndexQueries(queries.q[:0], queries.weights[:0], queries.request[:0], queries.visible[:0])

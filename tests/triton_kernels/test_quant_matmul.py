@@ -132,17 +132,20 @@ def test_mxfp4_inputs_not_a_multiple_of_the_group() -> None:
     assert_close(quant_matmul_triton(x, weight), _dense(x, weight))
 
 
-_PACKED_SPECS = [
-    spec for m in (quant_matmul, moe_gemm) for spec in m.KERNELS if "SCALE_BLOCK" in spec.constexprs
+_PACKED = [
+    (tuned, variant.constexprs["SCALE_BLOCK"])
+    for m in (quant_matmul, moe_gemm)
+    for tuned in m.KERNELS
+    for variant in tuned.variants
+    if "SCALE_BLOCK" in variant.constexprs
 ]
 
 
-@pytest.mark.parametrize("spec", _PACKED_SPECS, ids=lambda s: f"{s.name}-{s.constexprs}")
-def test_packed_configs_tile_the_scale_groups(spec) -> None:  # noqa: ANN001
+@pytest.mark.parametrize(("tuned", "block"), _PACKED, ids=lambda x: getattr(x, "name", str(x)))
+def test_packed_configs_tile_the_scale_groups(tuned, block: int) -> None:  # noqa: ANN001
     """What packed_matmul_tile assumes: a tile's rows share one FP8 exponent row, and a K slice holds
     whole scale groups (or lies inside one)."""
-    block = spec.constexprs["SCALE_BLOCK"]
-    for config in spec.configs:
+    for config in tuned.configs:
         bn, bk = config.params["BLOCK_N"], config.params["BLOCK_K"]
         assert all(b % bn == 0 for b in FP8_BLOCKS) and bk % 32 == 0 and (bk % block == 0 or block % bk == 0)
 

@@ -26,7 +26,7 @@ from triton_kernels import (
     topk,
     tuning,
 )
-from triton_kernels.spec import KernelSpec, TuneConfig
+from triton_kernels.spec import TuneConfig
 
 OP_MODULES = (
     rmsnorm,
@@ -75,10 +75,10 @@ def test_persistent_grids_never_exceed_the_profile_cores(
 ) -> None:
     monkeypatch.setenv("DSV4_SKU", profile.name)
     for module in OP_MODULES:
-        for spec in module.KERNELS:
-            cores = profile.aicores if spec.uses_cube else profile.vectorcores
-            assert runtime.grid(spec, 10**6) == (cores,)
-            assert runtime.grid(spec, 3) == (min(3, cores),)
+        for tuned in module.KERNELS:
+            cores = profile.aicores if tuned.uses_cube else profile.vectorcores
+            assert tuned.grid(10**6) == (cores,)
+            assert tuned.grid(3) == (min(3, cores),)
 
 
 def test_interpreter_flag(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -116,12 +116,10 @@ def test_fits_counts_double_buffering() -> None:
 def test_grid_is_persistent_per_core_kind(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(runtime, "num_aicore", lambda: 24)
     monkeypatch.setattr(runtime, "num_vectorcore", lambda: 48)
-    cube = KernelSpec(_copy_kernel, signatures=(), configs=(), uses_cube=True)
-    vector = KernelSpec(_copy_kernel, signatures=(), configs=())
-    assert runtime.grid(cube, 1000) == (24,)
-    assert runtime.grid(vector, 1000) == (48,)
-    assert runtime.grid(vector, 5) == (5,)
-    assert runtime.grid(vector, 0) == (1,)
+    assert runtime.grid(1000, uses_cube=True) == (24,)
+    assert runtime.grid(1000, uses_cube=False) == (48,)
+    assert runtime.grid(5, uses_cube=False) == (5,)
+    assert runtime.grid(0, uses_cube=False) == (1,)
 
 
 @triton.jit
@@ -141,9 +139,9 @@ def test_tuned_kernel_without_file_launches_the_first_config_that_fits(tmp_path,
     tuned = tuning.TunedKernel(_copy_kernel, (_TOO_BIG, _BIG, _SMALL), key=["n"], name="default")
     src = torch.arange(100, dtype=torch.float32)
     dst = torch.zeros_like(src)
-    tuned[lambda meta: (triton.cdiv(100, meta["BLOCK"]),)](src, dst, 100)
+    chosen = tuned[lambda meta: (triton.cdiv(100, meta["BLOCK"]),)](src, dst, 100)
     assert torch.equal(dst, src)
-    assert tuned.last_config == _BIG
+    assert chosen == _BIG
     assert tuned.op == "test_runtime" and tuning.kernels("test_runtime")["default"] is tuned
 
 
@@ -195,9 +193,12 @@ def _jit_functions(module: ModuleType) -> dict[str, str]:
 
 @pytest.mark.parametrize("module", OP_MODULES, ids=lambda m: m.__name__)
 def test_kernel_specs_describe_every_kernel(module: ModuleType) -> None:
-    specs: tuple[KernelSpec, ...] = module.KERNELS
+    declarations: tuple[tuning.TunedKernel, ...] = module.KERNELS
+    assert declarations and set(declarations) == set(
+        tuning.kernels(module.__name__.rsplit(".", 1)[-1]).values()
+    )
     jitted = _jit_functions(module)
-    declared = {spec.name for spec in specs}
+    declared = {tuned.kernel.fn.__name__ for tuned in declarations}
     assert declared <= set(jitted)
     # The other @jit functions are helpers: a declared kernel calls each, directly or through helpers.
     reached, sources = set(declared), [jitted[name] for name in declared]
@@ -208,13 +209,15 @@ def test_kernel_specs_describe_every_kernel(module: ModuleType) -> None:
                 reached.add(name)
                 sources.append(jitted[name])
     assert reached == set(jitted)
-    for spec in specs:
-        params = inspect.signature(spec.kernel.fn).parameters
+    for tuned in declarations:
+        params = inspect.signature(tuned.kernel.fn).parameters
         constexprs = {p for p in params if "constexpr" in str(params[p].annotation)}
         runtime_args = [p for p in params if p not in constexprs]
-        assert spec.signatures and spec.configs
-        for signature in spec.signatures:
-            assert list(signature) == runtime_args
-        for config in spec.configs:
-            assert set(config.params) | set(spec.constexprs) == constexprs
-            assert runtime.fits(config), (spec.name, config)
+        assert tuned.variants and tuned.configs
+        for variant in tuned.variants:
+            assert variant.signatures
+            for signature in variant.signatures:
+                assert list(signature) == runtime_args
+            for config in tuned.configs:
+                assert set(config.params) | set(variant.constexprs) == constexprs
+                assert runtime.fits(config), (tuned.name, config)
