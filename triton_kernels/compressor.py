@@ -25,7 +25,8 @@ Contract
     Any split of a request's tokens over calls gives the same entries and final state.
 
 Kernels
-    ``_compress_kernel``: one task is a token; a token that closes a window pools it with an online
+    ``_compress_kernel``: one task is a token, those that close a window first (so every program gets
+    windows to pool, not only every r-th); a token that closes a window pools it with an online
     softmax per channel over ``BLOCK_S`` slots at a time (each slot read from the new rows, the buffered
     open window or the overlap slice: masked loads from each, never a pointer select), then norms,
     rotates and quantises the row in registers and stores it. ``_compress_state_kernel``: one task is
@@ -422,6 +423,7 @@ def _compress_kernel(
     norm_ptr,
     freq_ptr,
     req_ptr,
+    order_ptr,
     cu_ptr,
     start_ptr,
     sid_ptr,
@@ -445,7 +447,8 @@ def _compress_kernel(
     c = tl.arange(0, CP)
     c_ok = c < C
     weight = tl.load(norm_ptr + c, mask=c_ok, other=0.0)
-    for i in range(tl.program_id(0), N, tl.num_programs(0)):
+    for task in range(tl.program_id(0), N, tl.num_programs(0)):
+        i = tl.load(order_ptr + task)
         req = tl.load(req_ptr + i)
         start = tl.load(start_ptr + req)
         first_row = tl.load(cu_ptr + req)
@@ -584,6 +587,11 @@ def compress_triton(
     request = torch.repeat_interleave(
         torch.arange(reqs, dtype=torch.int32, device=kv.device), lengths, output_size=n
     )
+    # The tokens that close a window first: strided over the programs, every program gets its share of
+    # windows (in token order only every r-th program would, as the grid is a multiple of r).
+    positions = batch.start[request] + torch.arange(n, device=kv.device) - batch.cu_seqlens[request]
+    closes = ((positions + 1) % r == 0) & (batch.slots >= 0)
+    order = torch.sort((~closes).to(torch.int32), stable=True).indices.to(torch.int32)
     freq = dummy if params.inv_freq is None else params.inv_freq.contiguous()
     p = 0 if params.inv_freq is None else params.inv_freq.numel()
     _compress_tuned[lambda meta: _compress_tuned.grid(n)](
@@ -597,6 +605,7 @@ def compress_triton(
         params.norm_weight.contiguous(),
         freq,
         request,
+        order,
         batch.cu_seqlens,
         batch.start,
         sid,
@@ -669,7 +678,7 @@ def _compress_signature(x: str, out: str) -> dict[str, str]:
         **dict.fromkeys(
             ("ape_ptr", "bkv_ptr", "bgate_ptr", "okv_ptr", "ogate_ptr", "norm_ptr", "freq_ptr"), "*fp32"
         ),
-        **dict.fromkeys(("req_ptr", "cu_ptr", "start_ptr", "sid_ptr", "slot_ptr"), "*i32"),
+        **dict.fromkeys(("req_ptr", "order_ptr", "cu_ptr", "start_ptr", "sid_ptr", "slot_ptr"), "*i32"),
         "out_ptr": out,
         "oscale_ptr": "*fp32",
         **dict.fromkeys(("N", "C", "W", "R", "P"), "i32"),
