@@ -40,6 +40,9 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 SLIM_INDEX_FILE = "quant_model_weights.safetensors.index.json"
 SLIM_SINGLE_FILE = "quant_model_weights.safetensors"
+DESCRIPTION_FILE = "quant_model_description.json"
+SLIM_TYPES = ("W8A8_DYNAMIC", "W4A8_DYNAMIC", "FLOAT")
+_SLIM_FIELDS = set("version model_quant_type group_size metadata indexer_quant_type kv_cache_type".split())
 DRAFT_PREFIX = "mtp."
 COMPUTE_DTYPES = (torch.float32, torch.bfloat16)
 DTYPE_NAMES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float": torch.float32}
@@ -166,6 +169,25 @@ def check_scales(tensors: dict, block: int | None) -> None:
                 raise ValueError(f"{sibling(name, suffix)}: dtype {scale.dtype}, expected one of {wanted}")
 
 
+def check_description(path: str | Path, stored: dict[str, StoredTensor]) -> None:
+    """An msModelSlim checkpoint's ``quant_model_description.json`` agrees with its shards: every tensor it
+    names exists, and each ``W8A8_DYNAMIC`` weight is int8 with its scale. ``W4A8_DYNAMIC`` (int4 routed
+    experts) is refused: no layer of the family runs it yet."""
+    file = Path(path) / DESCRIPTION_FILE
+    if not file.exists():
+        return
+    entries = {k: v for k, v in json.loads(file.read_text()).items() if k not in _SLIM_FIELDS}
+    for name, kind in sorted(entries.items()):
+        if kind not in SLIM_TYPES:
+            raise ValueError(f"{DESCRIPTION_FILE}: {name} has type {kind!r}, not one of {SLIM_TYPES}")
+        if name not in stored and not _TEXT_ONLY_SKIPS.search(name):
+            raise ValueError(f"{DESCRIPTION_FILE} names tensor {name}, which no shard of the checkpoint has")
+        if kind == "W4A8_DYNAMIC":
+            raise ValueError(f"{name}: W4A8_DYNAMIC (int4 weights) is not supported; use a W8A8 checkpoint")
+        if kind == "W8A8_DYNAMIC" and name.endswith(".weight") and stored_format(name, stored) != INT8:
+            raise ValueError(f"{name}: W8A8_DYNAMIC needs an int8 weight with a {W8A8_SCALE} sibling")
+
+
 def build_model(cfg: ModelConfig, path: str | Path) -> DeepseekV4 | DeepseekV41:
     """The model of ``cfg``, on ``meta``: V4.1 Engram needs the checkpoint's tokenizer."""
     token_map = None
@@ -215,6 +237,7 @@ def load_model(
         model.checkpoint_names(), {name: unpacked_shape(name, stored) for name in weight_names(stored)}
     )
     check_scales(stored, cfg.fp8_block)
+    check_description(path, stored)
     pack_linears(model, stored, cfg.fp8_block, quantization)
     for name, param in model.named_parameters():
         param.data = param.data.to(parameter_dtype(name, dtype))  # still on meta: no bytes yet
