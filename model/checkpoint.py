@@ -224,6 +224,19 @@ def load_model(
 ) -> DeepseekV4 | DeepseekV41:
     """The checkpoint's model on ``device``, computing in ``dtype`` (fp32 or bf16; the tensors of
     model-spec §9.1 stay fp32), its quantised weights kept as ``quantization`` says."""
+    model, stored = plan_model(path, dtype, quantization)
+    model = model.to_empty(device=device)
+    with torch.no_grad():
+        stream_weights(stored, model.official_state(), model.cfg.fp8_block)
+    model.init_buffers()
+    return model.requires_grad_(False).eval()  # inference only
+
+
+def plan_model(
+    path: str | Path, dtype: torch.dtype = torch.float32, quantization: str = "auto"
+) -> tuple[DeepseekV4 | DeepseekV41, dict[str, StoredTensor]]:
+    """The model on ``meta`` exactly as ``load_model`` will fill it (packed layers swapped in, parameter
+    dtypes set) and the checkpoint's tensors, all from the headers: every check done, no byte read."""
     if dtype not in COMPUTE_DTYPES:
         raise ValueError(f"dtype={dtype}: the model computes in {' or '.join(map(str, COMPUTE_DTYPES))}")
     if quantization not in QUANTIZATIONS:
@@ -241,11 +254,7 @@ def load_model(
     pack_linears(model, stored, cfg.fp8_block, quantization)
     for name, param in model.named_parameters():
         param.data = param.data.to(parameter_dtype(name, dtype))  # still on meta: no bytes yet
-    model = model.to_empty(device=device)
-    with torch.no_grad():
-        stream_weights(stored, model.official_state(), cfg.fp8_block)
-    model.init_buffers()
-    return model.requires_grad_(False).eval()  # inference only
+    return model, stored
 
 
 def pack_linears(
