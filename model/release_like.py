@@ -21,62 +21,29 @@ from safetensors.torch import load_file, save_file
 
 from model.config import ModelConfig
 from model.deepseek_v4 import DeepseekV4
+from model.tiny import FP8_CONFIG, TOY_V4
 from model.tokenizer import write_tokenizer
 from triton_kernels.quant import quantize_int8_ref
 
+# The toy V4 follows the release in everything but the widths: these are V4-Flash's (model-spec §2).
 V4_FLASH = {
-    "architectures": ["DeepseekV4ForCausalLM"],
-    "model_type": "deepseek_v4",
+    **TOY_V4,
     "dtype": "bfloat16",
-    "bos_token_id": 0,
-    "eos_token_id": 1,
     "vocab_size": 129280,
     "hidden_size": 4096,
     "num_attention_heads": 64,
-    "num_key_value_heads": 1,
     "head_dim": 512,
     "qk_rope_head_dim": 64,
     "q_lora_rank": 1024,
     "o_groups": 8,
     "o_lora_rank": 1024,
     "sliding_window": 128,
-    "rope_theta": 10000,
-    "compress_rope_theta": 160000,
-    "rope_scaling": {
-        "type": "yarn",
-        "factor": 16,
-        "original_max_position_embeddings": 65536,
-        "beta_fast": 32,
-        "beta_slow": 1,
-    },
-    "max_position_embeddings": 1048576,
     "index_n_heads": 64,
     "index_head_dim": 128,
     "index_topk": 512,
-    "hc_mult": 4,
-    "hc_sinkhorn_iters": 20,
-    "hc_eps": 1e-06,
-    "n_shared_experts": 1,
     "num_experts_per_tok": 6,
     "moe_intermediate_size": 2048,
-    "scoring_func": "sqrtsoftplus",
-    "topk_method": "noaux_tc",
-    "norm_topk_prob": True,
-    "routed_scaling_factor": 1.5,
-    "swiglu_limit": 10.0,
-    "hidden_act": "silu",
-    "rms_norm_eps": 1e-06,
-    "attention_bias": False,
-    "tie_word_embeddings": False,
-    "num_nextn_predict_layers": 1,
-    "quantization_config": {
-        "quant_method": "fp8",
-        "fmt": "e4m3",
-        "activation_scheme": "dynamic",
-        "scale_fmt": "ue8m0",
-        "weight_block_size": [128, 128],
-        "expert_dtype": "fp4",
-    },
+    "quantization_config": {**FP8_CONFIG, "weight_block_size": [128, 128]},
 }
 LIKES = {"v4-flash": V4_FLASH}
 LAYOUTS = ("official", "msmodelslim")

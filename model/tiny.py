@@ -29,7 +29,6 @@ from model.deepseek_v4 import DeepseekV4
 from model.deepseek_v41 import DeepseekV41
 from model.engram import compressed_token_map
 from model.quant import quantize_fp4, quantize_fp8
-from model.release_like import LAYOUTS, LIKES, write_like
 from model.tokenizer import NOISE_TOKEN_ID, load_tokenizer, write_tokenizer
 
 TOY_V4 = {
@@ -286,6 +285,8 @@ def cached_tiny(arch: str) -> Path:
 
 
 def main() -> None:
+    from model.release_like import LAYOUTS, LIKES, write_like  # it builds on this module's toy config
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", default="v4", choices=ARCHS)
     parser.add_argument("--out", required=True)
