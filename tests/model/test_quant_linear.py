@@ -74,9 +74,11 @@ def test_packed_checkpoint_keeps_its_stored_bytes(fp8_dir):
         assert torch.equal(state[name].view(torch.uint8), stored[name].read().view(torch.uint8)), name
 
 
-def test_packed_logits_equal_the_dense_load(fp8_dir):
+@pytest.mark.parametrize("arch", ["v4", "v41"])
+def test_packed_logits_equal_the_dense_load(fp8_dir, tmp_path, arch):
     """FP8 linears (the grouped wo_a included) and MXFP4 experts through moe_gemm's reference."""
-    packed, dense = load_model(fp8_dir), load_model(fp8_dir, quantization="dense")
+    path = fp8_dir if arch == "v4" else write_tiny(tmp_path / arch, arch=arch, fp8=True)
+    packed, dense = load_model(path), load_model(path, quantization="dense")
     ids = torch.randint(0, packed.cfg.vocab_size, (40,), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         a, b = packed(ids), dense(ids)
