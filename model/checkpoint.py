@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from model.causal_lm import CausalLM
 from model.config import ModelConfig
 from model.deepseek_v4 import DeepseekV4
 from model.deepseek_v41 import DeepseekV41
@@ -188,7 +189,7 @@ def check_description(path: str | Path, stored: dict[str, StoredTensor]) -> None
             raise ValueError(f"{name}: W8A8_DYNAMIC needs an int8 weight with a {W8A8_SCALE} sibling")
 
 
-def build_model(cfg: ModelConfig, path: str | Path) -> DeepseekV4 | DeepseekV41:
+def build_model(cfg: ModelConfig, path: str | Path) -> CausalLM:
     """The model of ``cfg``, on ``meta``: V4.1 Engram needs the checkpoint's tokenizer."""
     token_map = None
     if cfg.is_v41 and cfg.engram_layer_ids:
@@ -221,7 +222,7 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     quantization: str = "auto",
-) -> DeepseekV4 | DeepseekV41:
+) -> CausalLM:
     """The checkpoint's model on ``device``, computing in ``dtype`` (fp32 or bf16; the tensors of
     model-spec §9.1 stay fp32), its quantised weights kept as ``quantization`` says."""
     model, stored = plan_model(path, dtype, quantization)
@@ -234,7 +235,7 @@ def load_model(
 
 def plan_model(
     path: str | Path, dtype: torch.dtype = torch.float32, quantization: str = "auto"
-) -> tuple[DeepseekV4 | DeepseekV41, dict[str, StoredTensor]]:
+) -> tuple[CausalLM, dict[str, StoredTensor]]:
     """The model on ``meta`` exactly as ``load_model`` will fill it (packed layers swapped in, parameter
     dtypes set) and the checkpoint's tensors, all from the headers: every check done, no byte read."""
     if dtype not in COMPUTE_DTYPES:
