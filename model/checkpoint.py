@@ -316,6 +316,9 @@ def stream_weights(
         filled.add(name)
     if unfilled := sorted(set(targets) - filled):
         raise ValueError(f"the checkpoint left model tensors unfilled: {', '.join(unfilled)}")
+    for name in (n for n in targets if n.endswith(W8A8_OFFSET)):
+        if targets[name].any():  # one read per W8A8 linear, at load only
+            raise ValueError(f"{name}: nonzero offsets (asymmetric W8A8) are not supported, only symmetric")
 
 
 def _same_bytes(entry: StoredTensor, target: torch.Tensor) -> bool:

@@ -8,8 +8,9 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 
-from model.checkpoint import DESCRIPTION_FILE, load_model
+from model.checkpoint import DESCRIPTION_FILE, SLIM_SINGLE_FILE, load_model
 from model.quant_linear import Int8Linear, PackedExperts
 from model.release_like import to_msmodelslim
 from model.tiny import write_tiny
@@ -58,6 +59,22 @@ def test_fp8_release_requantised_to_w8a8(tmp_path):
     assert mean >= MEAN_COSINE and median >= MEDIAN_COSINE and top1 >= TOP1
 
 
+def test_asymmetric_offsets_are_refused(slim_dir, tmp_path):
+    bad = _copy(slim_dir, tmp_path / "offset")
+    tensors = load_file(bad / SLIM_SINGLE_FILE)
+    tensors["layers.2.attn.wkv.weight_offset"][3] = 1.0
+    save_file(tensors, bad / SLIM_SINGLE_FILE)
+    with pytest.raises(ValueError, match=r"layers\.2\.attn\.wkv\.weight_offset: nonzero offsets"):
+        load_model(bad)
+
+
+def _copy(src, dst):
+    dst.mkdir()
+    for file in src.iterdir():
+        (dst / file.name).write_bytes(file.read_bytes())
+    return dst
+
+
 @pytest.mark.parametrize(
     "edit, match",
     [
@@ -77,10 +94,7 @@ def test_fp8_release_requantised_to_w8a8(tmp_path):
     ],
 )
 def test_a_description_that_disagrees_is_refused(slim_dir, tmp_path, edit, match):
-    bad = tmp_path / "bad"
-    bad.mkdir()
-    for file in slim_dir.iterdir():
-        (bad / file.name).write_bytes(file.read_bytes())
+    bad = _copy(slim_dir, tmp_path / "bad")
     description = json.loads((bad / DESCRIPTION_FILE).read_text())
     edit(description)
     (bad / DESCRIPTION_FILE).write_text(json.dumps(description))
