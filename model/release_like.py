@@ -99,7 +99,7 @@ def stored(
                 f"{base}.weight_offset": torch.zeros(out, 1)}  # fmt: skip
     if layout == "official" and _FP4.search(name):
         packed = _codes((out, cols // 2), gen).view(torch.int8)
-        return {name: packed, f"{base}.scale": _exponents((out, cols // 32), gen)}
+        return {name: packed, f"{base}.scale": _exponents((out, -(-cols // 32)), gen)}
     if layout == "official" and _FP8.search(name):
         block = (-(-out // 128), -(-cols // 128))
         return {name: _codes(shape, gen).view(torch.float8_e4m3fn), f"{base}.scale": _exponents(block, gen)}
