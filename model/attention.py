@@ -120,8 +120,7 @@ class SharedKVAttention(nn.Module):
         out, _ = sparse_attention(q, pools, sink, scale, positions, inv_freq)
         # Group g of H/G heads is projected by row block g of wo_a only.
         grouped = out.reshape(out.shape[0], self.groups, -1)
-        weight = self.wo_a.weight.view(self.groups, -1, grouped.shape[-1])
-        return self.wo_b(torch.einsum("tgi,goi->tgo", grouped, weight).flatten(1))
+        return self.wo_b(self.wo_a.grouped(grouped).flatten(1))
 
 
 class V4Attention(SharedKVAttention):

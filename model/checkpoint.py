@@ -1,58 +1,85 @@
-"""Load a checkpoint in the official naming: single or sharded safetensors, FP8 dequantised on load.
+"""Load a checkpoint in the official naming (single or sharded safetensors, or msModelSlim's W8A8
+layout), streaming, with the weights kept in their stored format.
 
-Loading is strict: a missing, unexpected or mis-shaped tensor is an error that lists every name. The
-one exception: a checkpoint with no draft tensors at all (``mtp.*``: transformers drops them, some
-copies strip them) loads as the backbone alone, with speculative decoding unavailable.
+Loading is strict and happens in two passes. First the shard headers alone: every name, shape and
+scale is checked against the model (a missing, unexpected or mis-shaped tensor is an error that lists
+every name; a truncated shard or a scale that does not fit its weight names the tensor) and the
+linears the checkpoint stores quantised are swapped for packed ones while the model is on ``meta``.
+Then the bytes, shard by shard and tensor by tensor, straight into the device tensors: host memory
+peaks near one tensor. The one exception to strictness: a checkpoint with no draft tensors at all
+(``mtp.*``: transformers drops them, some copies strip them) loads as the backbone alone.
+
+``quantization``: ``auto`` keeps what is stored (FP8 and MXFP4 packed, W8A8 as int8); ``dense``
+dequantises at load to the compute dtype; ``w8a8`` requantises FP8 / MXFP4 to int8 W8A8 (per-output-
+channel weight scales, model-spec §9.4).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from torch import nn
 
+from model.causal_lm import CausalLM
 from model.config import ModelConfig
 from model.deepseek_v4 import DeepseekV4
 from model.deepseek_v41 import DeepseekV41
 from model.engram import compressed_token_map
+from model.moe import MoE
 from model.quant import dequantize_fp4, dequantize_fp8
+from model.quant_linear import DenseLinear, Fp8Linear, Int8Linear, Mxfp4Linear
+from model.shards import StoredTensor, read_headers
 from model.tokenizer import load_tokenizer
 from triton_kernels import runtime
+from triton_kernels.quant import quantize_int8_ref
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+SLIM_INDEX_FILE = "quant_model_weights.safetensors.index.json"
+SLIM_SINGLE_FILE = "quant_model_weights.safetensors"
+DESCRIPTION_FILE = "quant_model_description.json"
+SLIM_TYPES = ("W8A8_DYNAMIC", "W4A8_DYNAMIC", "FLOAT")
+_SLIM_FIELDS = set("version model_quant_type group_size metadata indexer_quant_type kv_cache_type".split())
 DRAFT_PREFIX = "mtp."
 COMPUTE_DTYPES = (torch.float32, torch.bfloat16)
 DTYPE_NAMES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float": torch.float32}
 DEVICES = ("npu", "cuda", "cpu")
+QUANTIZATIONS = ("auto", "dense", "w8a8")
+DENSE, FP8, MXFP4, INT8 = "dense", "fp8", "mxfp4", "int8"
+SCALE, W8A8_SCALE, W8A8_OFFSET = ".scale", ".weight_scale", ".weight_offset"
+_SIBLINGS = (SCALE, W8A8_SCALE, W8A8_OFFSET)
 _TEXT_ONLY_SKIPS = re.compile(r"(\.gate\.bias_vl(\.|$)|^(vision|aligner)\.|^image_(start|newline|end)\b)")
 _FP4 = re.compile(r"\.experts\.\d+\.w[123]\.weight$")  # routed experts: packed E2M1 codes
+_SCALE_DTYPES = (torch.float8_e8m0fnu, torch.uint8)
 # Kept in fp32 whatever the compute dtype (model-spec §9.1): mHC, sinks, compressor position bias, gate
 # bias; and the norm weights (Engram's q/k norms too), stored bf16 but applied in fp32, so exact in fp32.
 _FP32 = re.compile(r"(hc_\w+|attn_sink|\.ape|gate\.bias|norm\.weight|engram\.[qk]_weight)$")
 
 
+def checkpoint_files(path: str | Path) -> tuple[list[Path], dict[str, str] | None]:
+    """The shards of a checkpoint folder (official or msModelSlim naming) and its index, if any."""
+    path = Path(path)
+    for index, single in ((INDEX_FILE, SINGLE_FILE), (SLIM_INDEX_FILE, SLIM_SINGLE_FILE)):
+        if (path / index).exists():
+            weight_map = json.loads((path / index).read_text())["weight_map"]
+            return [path / f for f in sorted(set(weight_map.values()))], weight_map
+        if (path / single).exists():
+            return [path / single], None
+    raise ValueError(f"no {SINGLE_FILE}, {INDEX_FILE} or {SLIM_SINGLE_FILE} in {path}")
+
+
+def stored_tensors(path: str | Path) -> dict[str, StoredTensor]:
+    """Every tensor of a checkpoint folder, from the shard headers (no tensor bytes read)."""
+    return read_headers(*checkpoint_files(path))
+
+
 def read_tensors(path: str | Path) -> dict[str, torch.Tensor]:
     """Every tensor of a checkpoint folder, as stored."""
-    path = Path(path)
-    if (path / INDEX_FILE).exists():
-        weight_map = json.loads((path / INDEX_FILE).read_text())["weight_map"]
-        files = sorted(set(weight_map.values()))
-    elif (path / SINGLE_FILE).exists():
-        files = [SINGLE_FILE]
-    else:
-        raise ValueError(f"no {SINGLE_FILE} or {INDEX_FILE} in {path}")
-    tensors: dict[str, torch.Tensor] = {}
-    for file in files:
-        with safe_open(path / file, framework="pt") as f:
-            for name in f.keys():
-                if name in tensors:
-                    raise ValueError(f"tensor {name} appears in more than one shard")
-                tensors[name] = f.get_tensor(name)
-    return tensors
+    return {name: stored.read() for name, stored in stored_tensors(path).items()}
 
 
 def dequantize(
@@ -62,32 +89,44 @@ def dequantize(
     return {name: unpack(name, tensors, block, dtype) for name in weight_names(tensors)}
 
 
-def weight_names(tensors: dict[str, torch.Tensor]) -> list[str]:
-    """The names a model loads: every tensor but the ``.scale`` siblings of quantised weights."""
-    return [
-        n for n in tensors if not (n.endswith(".scale") and n.removesuffix(".scale") + ".weight" in tensors)
-    ]
+def weight_names(tensors: dict) -> list[str]:
+    """The names a dense model loads: every tensor but the scale and offset siblings of quantised weights."""
+    return [n for n in tensors if not any(n.endswith(s) and _weight_of(n, s) in tensors for s in _SIBLINGS)]
+
+
+def _weight_of(sibling: str, suffix: str) -> str:
+    return sibling.removesuffix(suffix) + ".weight"
+
+
+def sibling(name: str, suffix: str) -> str:
+    return name.removesuffix(".weight") + suffix
+
+
+def stored_format(name: str, tensors: dict) -> str:
+    """How weight ``name`` is stored: FP8 (E4M3 + ``.scale``), MXFP4 (int8 routed expert + ``.scale``),
+    int8 W8A8 (int8 + ``.weight_scale``) or dense."""
+    dtype = tensors[name].dtype
+    if dtype == torch.float8_e4m3fn:
+        return FP8
+    if dtype in (torch.int8, torch.uint8) and sibling(name, W8A8_SCALE) in tensors:
+        return INT8
+    if dtype == torch.int8 and _FP4.search(name):
+        return MXFP4
+    return DENSE
 
 
 def unpack(
     name: str, tensors: dict[str, torch.Tensor], block: int | None, dtype: torch.dtype
 ) -> torch.Tensor:
-    """Tensor ``name`` as the model holds it: FP8 / MXFP4 expanded with its scale straight to ``dtype``,
-    other floating tensors in ``dtype`` except those model-spec §9.1 keeps in fp32."""
-    t = tensors[name]
-    if t.dtype == torch.int8 and _FP4.search(name):
-        scale = tensors.get(name.removesuffix(".weight") + ".scale")
-        if scale is None:
-            raise ValueError(f"FP4 tensor {name} has no sibling .scale")
-        return dequantize_fp4(t, scale, dtype)
-    if t.dtype == torch.float8_e4m3fn:
-        scale = tensors.get(name.removesuffix(".weight") + ".scale")
-        if scale is None or block is None:
-            raise ValueError(
-                f"FP8 tensor {name} has no sibling .scale or the config has no "
-                "quantization_config.weight_block_size"
-            )
-        return dequantize_fp8(t, scale, block, dtype)
+    """Tensor ``name`` as a dense model holds it: FP8 / MXFP4 / W8A8 expanded with its scale straight to
+    ``dtype``, other floating tensors in ``dtype`` except those model-spec §9.1 keeps in fp32."""
+    t, fmt = tensors[name], stored_format(name, tensors)
+    if fmt == MXFP4:
+        return dequantize_fp4(t, tensors[sibling(name, SCALE)], dtype)
+    if fmt == FP8:
+        return dequantize_fp8(t, tensors[sibling(name, SCALE)], block, dtype)
+    if fmt == INT8:
+        return (t.float() * tensors[sibling(name, W8A8_SCALE)].float().view(-1, 1)).to(dtype)
     return t.to(parameter_dtype(name, dtype)) if t.is_floating_point() else t
 
 
@@ -96,15 +135,61 @@ def parameter_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if _FP32.search(name) else dtype
 
 
-def unpacked_shape(name: str, tensors: dict[str, torch.Tensor]) -> tuple[int, ...]:
-    """The shape ``unpack`` gives, read from the stored tensor alone (two E2M1 codes per FP4 byte)."""
-    t = tensors[name]
-    if t.dtype == torch.int8 and _FP4.search(name):
-        return (*t.shape[:-1], t.shape[-1] * 2)
-    return tuple(t.shape)
+def unpacked_shape(name: str, tensors: dict) -> tuple[int, ...]:
+    """The dense shape of weight ``name``, read from the stored tensor alone (two E2M1 codes per FP4 byte)."""
+    shape = tuple(tensors[name].shape)
+    return (*shape[:-1], shape[-1] * 2) if stored_format(name, tensors) == MXFP4 else shape
 
 
-def build_model(cfg: ModelConfig, path: str | Path) -> DeepseekV4 | DeepseekV41:
+def check_scales(tensors: dict, block: int | None) -> None:
+    """Every quantised weight has the scales its format needs, of the shape and dtype it needs."""
+    for name in weight_names(tensors):
+        fmt = stored_format(name, tensors)
+        if fmt == DENSE:
+            continue
+        out, cols = unpacked_shape(name, tensors)
+        if fmt == FP8 and block is None:
+            raise ValueError(f"FP8 tensor {name}: the config has no quantization_config.weight_block_size")
+        b = block or 1
+        expected = {
+            FP8: {SCALE: [(-(-out // b), -(-cols // b)), (out, -(-cols // b))]},
+            MXFP4: {SCALE: [(out, -(-cols // 32))]},
+            INT8: {W8A8_SCALE: [(out, 1), (out,)], W8A8_OFFSET: [(out, 1), (out,)]},
+        }[fmt]
+        for suffix, shapes in expected.items():
+            scale = tensors.get(sibling(name, suffix))
+            if scale is None:
+                raise ValueError(f"{fmt} tensor {name} has no sibling {sibling(name, suffix)}")
+            if tuple(scale.shape) not in shapes:
+                raise ValueError(
+                    f"{sibling(name, suffix)}: shape {tuple(scale.shape)} does not fit {fmt} weight {name} "
+                    f"{(out, cols)} (expected {' or '.join(map(str, shapes))})"
+                )
+            wanted = (torch.float32,) if fmt == INT8 else _SCALE_DTYPES
+            if scale.dtype not in wanted:
+                raise ValueError(f"{sibling(name, suffix)}: dtype {scale.dtype}, expected one of {wanted}")
+
+
+def check_description(path: str | Path, stored: dict[str, StoredTensor]) -> None:
+    """An msModelSlim checkpoint's ``quant_model_description.json`` agrees with its shards: every tensor it
+    names exists, and each ``W8A8_DYNAMIC`` weight is int8 with its scale. ``W4A8_DYNAMIC`` (int4 routed
+    experts) is refused: no layer of the family runs it yet."""
+    file = Path(path) / DESCRIPTION_FILE
+    if not file.exists():
+        return
+    entries = {k: v for k, v in json.loads(file.read_text()).items() if k not in _SLIM_FIELDS}
+    for name, kind in sorted(entries.items()):
+        if kind not in SLIM_TYPES:
+            raise ValueError(f"{DESCRIPTION_FILE}: {name} has type {kind!r}, not one of {SLIM_TYPES}")
+        if name not in stored and not _TEXT_ONLY_SKIPS.search(name):
+            raise ValueError(f"{DESCRIPTION_FILE} names tensor {name}, which no shard of the checkpoint has")
+        if kind == "W4A8_DYNAMIC":
+            raise ValueError(f"{name}: W4A8_DYNAMIC (int4 weights) is not supported; use a W8A8 checkpoint")
+        if kind == "W8A8_DYNAMIC" and name.endswith(".weight") and stored_format(name, stored) != INT8:
+            raise ValueError(f"{name}: W8A8_DYNAMIC needs an int8 weight with a {W8A8_SCALE} sibling")
+
+
+def build_model(cfg: ModelConfig, path: str | Path) -> CausalLM:
     """The model of ``cfg``, on ``meta``: V4.1 Engram needs the checkpoint's tokenizer."""
     token_map = None
     if cfg.is_v41 and cfg.engram_layer_ids:
@@ -133,35 +218,113 @@ def placement(
 
 
 def load_model(
-    path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
-) -> DeepseekV4 | DeepseekV41:
+    path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    quantization: str = "auto",
+) -> CausalLM:
     """The checkpoint's model on ``device``, computing in ``dtype`` (fp32 or bf16; the tensors of
-    model-spec §9.1 stay fp32). Tensors are expanded and copied in one at a time, each stored tensor
-    dropped once copied, so no second full-precision copy of the model is held."""
-    if dtype not in COMPUTE_DTYPES:
-        raise ValueError(f"dtype={dtype}: the model computes in {' or '.join(map(str, COMPUTE_DTYPES))}")
-    cfg = ModelConfig.from_file(path)
-    tensors = _drop_unused(read_tensors(path))
-    if cfg.num_draft_layers and not any(name.startswith(DRAFT_PREFIX) for name in tensors):
-        cfg = cfg.without_drafts()
-    model = build_model(cfg, path)
-    names = weight_names(tensors)
-    check_names(model.checkpoint_names(), {name: unpacked_shape(name, tensors) for name in names})
-    for name, param in model.named_parameters():
-        param.data = param.data.to(parameter_dtype(name, dtype))  # still on meta: no bytes yet
+    model-spec §9.1 stay fp32), its quantised weights kept as ``quantization`` says."""
+    model, stored = plan_model(path, dtype, quantization)
     model = model.to_empty(device=device)
-    targets = model.official_state()
     with torch.no_grad():
-        for name in names:
-            targets[name].copy_(unpack(name, tensors, cfg.fp8_block, targets[name].dtype))
-            del tensors[name]  # its stored bytes go now; the scales stay for their siblings
+        stream_weights(stored, model.official_state(), model.cfg.fp8_block)
     model.init_buffers()
     return model.requires_grad_(False).eval()  # inference only
 
 
-def _drop_unused(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Tensors a text-only build never uses: the image-token gate bias and the vision tower."""
-    return {n: t for n, t in tensors.items() if not _TEXT_ONLY_SKIPS.search(n)}
+def plan_model(
+    path: str | Path, dtype: torch.dtype = torch.float32, quantization: str = "auto"
+) -> tuple[CausalLM, dict[str, StoredTensor]]:
+    """The model on ``meta`` exactly as ``load_model`` will fill it (packed layers swapped in, parameter
+    dtypes set) and the checkpoint's tensors, all from the headers: every check done, no byte read."""
+    if dtype not in COMPUTE_DTYPES:
+        raise ValueError(f"dtype={dtype}: the model computes in {' or '.join(map(str, COMPUTE_DTYPES))}")
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization={quantization!r}: one of {', '.join(QUANTIZATIONS)}")
+    cfg = ModelConfig.from_file(path)
+    stored = {n: t for n, t in stored_tensors(path).items() if not _TEXT_ONLY_SKIPS.search(n)}
+    if cfg.num_draft_layers and not any(name.startswith(DRAFT_PREFIX) for name in stored):
+        cfg = cfg.without_drafts()
+    model = build_model(cfg, path)
+    check_names(
+        model.checkpoint_names(), {name: unpacked_shape(name, stored) for name in weight_names(stored)}
+    )
+    check_scales(stored, cfg.fp8_block)
+    check_description(path, stored)
+    pack_linears(model, stored, cfg.fp8_block, quantization)
+    for name, param in model.named_parameters():
+        param.data = param.data.to(parameter_dtype(name, dtype))  # still on meta: no bytes yet
+    return model, stored
+
+
+def pack_linears(
+    model: nn.Module, stored: dict[str, StoredTensor], block: int | None, quantization: str
+) -> None:
+    """Swap, on ``meta``, each linear the checkpoint stores quantised for the packed layer that keeps it
+    so (``auto``) or for int8 W8A8 (``w8a8``); MXFP4 routed experts are stacked for ``moe_gemm``."""
+    if quantization == "dense":
+        return
+    for prefix, module in list(model.named_modules()):
+        if isinstance(module, MoE) and quantization == "auto":
+            first = f"{prefix}.experts.0.w1.weight"
+            if first in stored and stored_format(first, stored) == MXFP4:
+                module.pack_experts()
+    for prefix, module in list(model.named_modules()):
+        name = f"{prefix}.weight"
+        if not isinstance(module, DenseLinear) or name not in stored:
+            continue
+        fmt, shape = stored_format(name, stored), (module.in_features, module.out_features)
+        if fmt == DENSE:
+            continue
+        if quantization == "w8a8" or fmt == INT8:
+            packed = Int8Linear(*shape)
+        elif fmt == MXFP4:
+            packed = Mxfp4Linear(*shape)
+        elif tuple(stored[sibling(name, SCALE)].shape) == (-(-shape[1] // block), -(-shape[0] // block)):
+            packed = Fp8Linear(*shape, block)
+        else:
+            continue  # per-row scales: only Engram tables have them, dequantised at load
+        parent, _, leaf = prefix.rpartition(".")
+        setattr(model.get_submodule(parent), leaf, packed)
+
+
+def stream_weights(
+    stored: dict[str, StoredTensor], targets: dict[str, torch.Tensor], block: int | None
+) -> None:
+    """Fill every target, shard by shard in byte order: bytes the model keeps as stored are read into
+    their tensor directly; the others are read with their scales and converted one weight at a time."""
+    filled: set[str] = set()
+    for name, entry in stored.items():
+        target = targets.get(name)
+        if target is not None and _same_bytes(entry, target):
+            entry.read_into(target)
+            filled.add(name)
+    for name in weight_names(stored):
+        if name in filled:
+            continue
+        parts = {n: stored[n].read() for n in (name, *(sibling(name, s) for s in _SIBLINGS)) if n in stored}
+        target = targets[name]
+        if target.dtype == torch.int8:  # requantised to W8A8 (model-spec §9.4)
+            q, scale = quantize_int8_ref(unpack(name, parts, block, torch.float32))
+            target.copy_(q)
+            targets[sibling(name, W8A8_SCALE)].copy_(scale[:, None])
+            targets[sibling(name, W8A8_OFFSET)].zero_()
+            filled.update((sibling(name, W8A8_SCALE), sibling(name, W8A8_OFFSET)))
+        else:
+            target.copy_(unpack(name, parts, block, target.dtype))
+        filled.add(name)
+    if unfilled := sorted(set(targets) - filled):
+        raise ValueError(f"the checkpoint left model tensors unfilled: {', '.join(unfilled)}")
+    for name in (n for n in targets if n.endswith(W8A8_OFFSET)):
+        if targets[name].any():  # one read per W8A8 linear, at load only
+            raise ValueError(f"{name}: nonzero offsets (asymmetric W8A8) are not supported, only symmetric")
+
+
+def _same_bytes(entry: StoredTensor, target: torch.Tensor) -> bool:
+    raw = {torch.int8, torch.uint8}
+    same = entry.dtype == target.dtype or {entry.dtype, target.dtype} <= raw
+    return same and target.numel() == math.prod(entry.shape)  # msModelSlim scales: [out] or [out, 1]
 
 
 def check_names(expected: dict[str, tuple[int, ...]], shapes: dict[str, tuple[int, ...]]) -> None:

@@ -7,6 +7,7 @@ from torch import nn
 
 from model.config import ModelConfig
 from model.plan import Rope
+from model.quant_linear import DenseLinear
 from triton_kernels.rmsnorm import rms_norm
 from triton_kernels.rope import rope_inv_freq
 
@@ -23,8 +24,9 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
-def linear(hidden: int, out: int) -> nn.Linear:
-    return nn.Linear(hidden, out, bias=False)
+def linear(hidden: int, out: int) -> DenseLinear:
+    """A model linear: dense as built, swapped for a packed one by the loader where the checkpoint is."""
+    return DenseLinear(hidden, out)
 
 
 class RopeFrequencies(nn.Module):

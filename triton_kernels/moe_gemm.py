@@ -72,9 +72,9 @@ def sort_by_expert(topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_exper
     flat = topk_ids.reshape(-1).long()
     keyed = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)
     order = torch.argsort(keyed, stable=True)
-    counts = torch.bincount(keyed, minlength=num_experts + 1)[:num_experts]
-    offsets = torch.zeros(num_experts + 1, dtype=torch.int32, device=flat.device)
-    offsets[1:] = torch.cumsum(counts, 0)
+    # Each expert's first sorted row, found on the device (bincount would read its size back).
+    bounds = torch.arange(num_experts + 1, device=flat.device)
+    offsets = torch.searchsorted(keyed[order], bounds).to(torch.int32)
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=flat.device)
     tokens = (order // max(1, topk_ids.shape[1])).to(torch.int32)

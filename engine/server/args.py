@@ -79,7 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="compute dtype; auto: bfloat16 on npu / cuda, float32 on cpu")  # fmt: skip
     model.add_argument("--device", choices=["npu", "cuda", "cpu"],
                        help="where the model runs (default: the accelerator present, else cpu)")  # fmt: skip
-    model.add_argument("--quantization", "-q", help="must name the checkpoint's own format (fp8), if given")
+    model.add_argument("--quantization", "-q",
+                       help="the checkpoint's own format (fp8; ascend: msModelSlim W8A8), kept packed; or "
+                       "w8a8: requantise an fp8 checkpoint to int8 W8A8 at load (Ascend A2/A3)")  # fmt: skip
     model.add_argument("--max-model-len", type=parse_count, default=EngineConfig.max_model_len,
                        help="prompt + completion limit, e.g. 4096 or 64k (default: 4096)")  # fmt: skip
     model.add_argument("--generation-config", default="auto",

@@ -16,13 +16,14 @@ import torch
 import uvicorn
 
 from engine.llm_engine import EngineConfig, LLMEngine
+from engine.memory_plan import plan_memory
 from engine.server.api import MAX_REQUEST_BYTES, OpenAIServer
 from engine.server.app import build_app
 from engine.server.args import non_default
 from engine.server.protocol import GENERATION_FIELDS
 from engine.server.shutdown import FLUSH_TIMEOUT, GracefulServer
 from model.chat_profile import select_chat_profile
-from model.checkpoint import load_model, placement
+from model.checkpoint import DESCRIPTION_FILE, load_model, placement
 from model.config import ModelConfig
 from model.tiny import cached_tiny
 from model.tokenizer import load_tokenizer
@@ -31,18 +32,17 @@ from triton_kernels import runtime
 log = logging.getLogger(__name__)
 
 
-def kv_cache_bytes(args: argparse.Namespace, weight_bytes: int) -> int:
-    """--kv-cache-memory, or --gpu-memory-utilization of the device's memory less the weights."""
-    if args.gpu_memory_utilization is None:
-        return args.kv_cache_memory or EngineConfig.kv_cache_memory
-    total = runtime.memory_bytes()
-    budget = int(args.gpu_memory_utilization * total) - weight_bytes
-    if budget <= 0:
-        raise ValueError(
-            f"--gpu-memory-utilization={args.gpu_memory_utilization} of {total / 2**30:.1f} GiB leaves "
-            f"nothing for the KV cache after {weight_bytes / 2**30:.2f} GiB of weights"
-        )
-    return budget
+def memory_budget(args: argparse.Namespace) -> dict:
+    """The launch flags ``plan_memory`` reads."""
+    share = args.gpu_memory_utilization
+    return {
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_model_len": args.max_model_len,
+        "block_size": args.block_size,
+        "kv_cache_memory": None if share else args.kv_cache_memory or EngineConfig.kv_cache_memory,
+        "gpu_memory_utilization": share,
+        "device_bytes": runtime.memory_bytes() if share else None,
+    }
 
 
 def generation_defaults(args: argparse.Namespace, path: Path) -> dict[str, float]:
@@ -67,16 +67,23 @@ def start_engine(args: argparse.Namespace, path: Path) -> LLMEngine:
             f"--max-model-len={args.max_model_len} exceeds the model's max_position_embeddings="
             f"{cfg.max_position_embeddings}"
         )
-    stored = (cfg.quantization_config or {}).get("quant_method")
-    if args.quantization is not None and args.quantization != stored:
+    stored = (
+        "ascend"
+        if (path / DESCRIPTION_FILE).exists()
+        else (cfg.quantization_config or {}).get("quant_method")
+    )
+    if args.quantization not in (None, stored) and (args.quantization, stored) != ("w8a8", "fp8"):
         raise ValueError(
             f"--quantization={args.quantization}: the checkpoint is stored as {stored or 'unquantized'}"
         )
     device, dtype = placement(args.device, args.dtype)
-    model = load_model(path, dtype, device)
-    weight_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    quantization = "w8a8" if args.quantization == "w8a8" else "auto"
+    plan = plan_memory(path, dtype, quantization, **memory_budget(args))  # fails before any weight loads
+    log.info(plan.line())
+    model = load_model(path, dtype, device, quantization)
+    weight_bytes = plan.weight_bytes
     config = EngineConfig(args.max_num_seqs, args.max_num_batched_tokens, args.max_model_len, args.block_size,
-                          kv_cache_bytes(args, weight_bytes), args.seed, args.speculative_method,
+                          plan.kv_bytes, args.seed, args.speculative_method,
                           args.num_speculative_tokens, args.dspark_min_confidence)  # fmt: skip
     engine = LLMEngine(model, load_tokenizer(path), config)
     per_request = engine.cache.max_blocks(

@@ -14,8 +14,7 @@ from engine.spec_decode.dspark import DSparkProposer
 from engine.spec_decode.mtp import MtpProposer
 from engine.spec_decode.proposer import Proposer
 from model.cache import KVPools
-from model.deepseek_v4 import DeepseekV4
-from model.deepseek_v41 import DeepseekV41
+from model.causal_lm import CausalLM
 
 if TYPE_CHECKING:
     from engine.llm_engine import EngineConfig
@@ -23,7 +22,7 @@ if TYPE_CHECKING:
 
 def build_proposer(
     config: EngineConfig,
-    model: DeepseekV4 | DeepseekV41,
+    model: CausalLM,
     pools: KVPools,
     sampler: Sampler,
     given: Proposer | None = None,
@@ -44,7 +43,7 @@ def build_proposer(
     return None, 0
 
 
-def _check_draft_head(method: str, model: DeepseekV4 | DeepseekV41) -> None:
+def _check_draft_head(method: str, model: CausalLM) -> None:
     """The draft head ``method`` needs is the one the checkpoint has."""
     cfg = model.cfg
     if not cfg.num_draft_layers:

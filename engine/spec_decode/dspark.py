@@ -15,15 +15,12 @@ import torch
 from engine.request import Proposal
 from engine.sampler import Sampler
 from engine.spec_decode.proposer import Observation, Proposer
-from model.deepseek_v4 import DeepseekV4
-from model.deepseek_v41 import DeepseekV41
+from model.causal_lm import CausalLM
 from model.dspark import Draft, DSpark, DSparkState
 
 
 class DSparkProposer(Proposer):
-    def __init__(
-        self, model: DeepseekV4 | DeepseekV41, sampler: Sampler, num_tokens: int, min_confidence: float = 0.0
-    ):
+    def __init__(self, model: CausalLM, sampler: Sampler, num_tokens: int, min_confidence: float = 0.0):
         if not isinstance(model.mtp, DSpark):
             raise ValueError(
                 "speculative method 'dspark' needs a checkpoint with DSpark stages (dspark_* keys)"

@@ -1,0 +1,99 @@
+"""The memory plan made at start-up, before any weight byte is read: weights (from the shard headers, as
+the loader will hold them), an activation workspace for ``max_num_batched_tokens``, and the KV cache
+from what remains of the budget (``--gpu-memory-utilization`` of the device, or ``--kv-cache-memory``
+bytes outright). A plan whose KV cache cannot hold one request of ``max_model_len`` is refused, naming
+the numbers, so a server that would fail its first long request never starts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.kv_cache import KVCacheManager
+from model.cache import cache_groups
+from model.checkpoint import plan_model
+from model.config import ModelConfig
+
+GIB = 2**30
+
+
+def activation_bytes(cfg: ModelConfig, tokens: int, dtype_bytes: int) -> int:
+    """Live activations of one step of ``tokens`` tokens, one layer at a time: the mHC streams and their
+    mixed copy (fp32), the query heads, the MoE's per-choice hidden and output rows (fp32, sorted by
+    expert) and fp32 logits for every token (the upper bound: a prefill step samples only its last)."""
+    streams = 3 * cfg.hc_mult * cfg.hidden_size * 4
+    queries = 2 * cfg.num_attention_heads * cfg.head_dim * dtype_bytes
+    experts = cfg.num_experts_per_tok * (cfg.moe_intermediate_size + cfg.hidden_size) * 4
+    return tokens * (streams + queries + experts + cfg.vocab_size * 4)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    weight_bytes: int
+    activation_bytes: int
+    kv_bytes: int
+    block_bytes: int
+    blocks_per_request: int
+    max_model_len: int
+    budget: str  # how kv_bytes was chosen, for the messages
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv_bytes // self.block_bytes
+
+    @property
+    def max_concurrency(self) -> float:
+        return self.num_blocks / self.blocks_per_request
+
+    def line(self) -> str:
+        return (
+            f"Memory plan: weights {self.weight_bytes / GIB:.3f} GiB, activations "
+            f"{self.activation_bytes / GIB:.3f} GiB, KV cache {self.kv_bytes / GIB:.3f} GiB "
+            f"({self.budget}) = {self.num_blocks} blocks x {self.block_bytes} B; maximum concurrency "
+            f"at {self.max_model_len} tokens per request: {self.max_concurrency:.2f}x"
+        )
+
+
+def plan_memory(
+    path: str | Path,
+    dtype: torch.dtype,
+    quantization: str,
+    *,
+    max_num_batched_tokens: int,
+    max_model_len: int,
+    block_size: int,
+    kv_cache_memory: int | None = None,
+    gpu_memory_utilization: float | None = None,
+    device_bytes: int | None = None,
+    lookahead: int = 0,
+) -> MemoryPlan:
+    """The plan for serving ``path``; ``gpu_memory_utilization`` shares ``device_bytes`` between weights,
+    activations and the KV cache, else the KV cache gets ``kv_cache_memory`` bytes."""
+    model, _ = plan_model(path, dtype, quantization)
+    weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    activations = activation_bytes(model.cfg, max_num_batched_tokens, itemsize)
+    if gpu_memory_utilization is not None:
+        if device_bytes is None:
+            raise ValueError("gpu_memory_utilization needs the device's memory size")
+        budget = int(gpu_memory_utilization * device_bytes)
+        kv = budget - weights - activations
+        how = f"{gpu_memory_utilization} x {device_bytes / GIB:.1f} GiB less weights and activations"
+    else:
+        if kv_cache_memory is None:
+            raise ValueError("give kv_cache_memory or gpu_memory_utilization")
+        kv, how = kv_cache_memory, "--kv-cache-memory"
+    groups = cache_groups(model.cfg, itemsize)
+    cache = KVCacheManager(groups, block_size, 1)
+    per_request = cache.max_blocks(max_model_len + lookahead, max_num_batched_tokens + lookahead)
+    plan = MemoryPlan(weights, activations, max(kv, 0), cache.block_bytes, per_request, max_model_len, how)
+    if plan.num_blocks < per_request:
+        raise ValueError(
+            f"memory plan: the KV cache gets {kv / GIB:.3f} GiB ({how}; weights {weights / GIB:.3f} GiB, "
+            f"activations at {max_num_batched_tokens} batched tokens {activations / GIB:.3f} GiB), but one "
+            f"request of max_model_len={max_model_len} needs {per_request} blocks x {cache.block_bytes} B = "
+            f"{per_request * cache.block_bytes / GIB:.3f} GiB: give more memory or lower max_model_len"
+        )
+    return plan

@@ -1,0 +1,47 @@
+"""The start-up memory plan: weight bytes from the headers equal what the loader then holds, the KV cache
+gets the rest of the budget, and a plan that cannot hold one request is refused naming the numbers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.kv_cache import KVCacheManager
+from engine.memory_plan import plan_memory
+from model.cache import cache_groups
+from model.checkpoint import load_model
+from model.tiny import write_tiny
+
+SHAPE = {"max_num_batched_tokens": 256, "max_model_len": 1024, "block_size": 16}
+
+
+@pytest.fixture(scope="module")
+def fp8_dir(tmp_path_factory):
+    return write_tiny(tmp_path_factory.mktemp("fp8"), fp8=True)
+
+
+@pytest.mark.parametrize("quantization", ["auto", "dense", "w8a8"])
+def test_weight_bytes_from_the_headers_are_what_loads(fp8_dir, quantization):
+    plan = plan_memory(fp8_dir, torch.bfloat16, quantization, kv_cache_memory=2**24, **SHAPE)
+    model = load_model(fp8_dir, torch.bfloat16, quantization=quantization)
+    assert plan.weight_bytes == sum(t.numel() * t.element_size() for t in model.state_dict().values())
+
+
+def test_the_kv_cache_gets_what_remains(fp8_dir):
+    device = 2**30
+    plan = plan_memory(
+        fp8_dir, torch.float32, "auto", gpu_memory_utilization=0.5, device_bytes=device, **SHAPE
+    )
+    assert plan.kv_bytes == device // 2 - plan.weight_bytes - plan.activation_bytes > 0
+    model = load_model(fp8_dir)
+    cache = KVCacheManager.from_budget(cache_groups(model.cfg, 4), SHAPE["block_size"], plan.kv_bytes)
+    assert plan.num_blocks == cache.num_blocks
+    assert plan.max_concurrency == cache.num_blocks / cache.max_blocks(1024, 256)
+    assert "maximum concurrency at 1024 tokens per request" in plan.line()
+
+
+def test_a_plan_that_cannot_hold_one_request_is_refused(fp8_dir):
+    with pytest.raises(ValueError, match=r"one request of max_model_len=1024 needs \d+ blocks"):
+        plan_memory(fp8_dir, torch.float32, "auto", kv_cache_memory=2**16, **SHAPE)
+    with pytest.raises(ValueError, match=r"0.5 x 0.0 GiB less weights and activations; weights 0.0\d+ GiB"):
+        plan_memory(fp8_dir, torch.float32, "auto", gpu_memory_utilization=0.5, device_bytes=2**22, **SHAPE)
