@@ -25,11 +25,9 @@ from model.tiny import FP8_CONFIG, TOY_V4
 from model.tokenizer import write_tokenizer
 from triton_kernels.quant import quantize_int8_ref
 
-# The toy V4 follows the release in everything but the widths: these are V4-Flash's (model-spec §2).
-V4_FLASH = {
-    **TOY_V4,
-    "dtype": "bfloat16",
-    "vocab_size": 129280,
+# The releases' widths (model-spec §2): heads, head and rope dims, ranks, Engram heads, all that shapes a
+# kernel's tiles. The toys follow the releases in everything else.
+V4_FLASH_WIDTHS = {
     "hidden_size": 4096,
     "num_attention_heads": 64,
     "head_dim": 512,
@@ -37,12 +35,29 @@ V4_FLASH = {
     "q_lora_rank": 1024,
     "o_groups": 8,
     "o_lora_rank": 1024,
-    "sliding_window": 128,
     "index_n_heads": 64,
     "index_head_dim": 128,
     "index_topk": 512,
-    "num_experts_per_tok": 6,
     "moe_intermediate_size": 2048,
+}
+V41_FLASH_WIDTHS = {
+    **V4_FLASH_WIDTHS,
+    "hidden_size": 5120,
+    "q_lora_rank": 1280,
+    "index_n_heads": 32,
+    "moe_intermediate_size": 2304,
+    "candidate_topk_blocks": 2048,
+    "candidate_block_size": 8,
+    "engram_n_heads": 8,
+    "engram_head_dim": 256,
+}
+V4_FLASH = {
+    **TOY_V4,
+    **V4_FLASH_WIDTHS,
+    "dtype": "bfloat16",
+    "vocab_size": 129280,
+    "sliding_window": 128,
+    "num_experts_per_tok": 6,
     "quantization_config": {**FP8_CONFIG, "weight_block_size": [128, 128]},
 }
 LIKES = {"v4-flash": V4_FLASH}

@@ -29,6 +29,7 @@ import torch  # noqa: E402
 from model.checkpoint import build_model, load_model, parameter_dtype  # noqa: E402
 from model.config import ModelConfig  # noqa: E402
 from model.engram import bucket_layout  # noqa: E402
+from model.release_like import V4_FLASH_WIDTHS, V41_FLASH_WIDTHS  # noqa: E402
 from model.tiny import ARCHS, toy_config, write_tiny  # noqa: E402
 from model.tokenizer import TOKENIZER_PATH  # noqa: E402
 from tests.triton_kernels.bounds import PACKAGE, BoundsCheck, marked_lines  # noqa: E402
@@ -39,32 +40,8 @@ OUT = Path(__file__).resolve().with_name("launches.json")
 CHUNKS = (12, 1, 3)
 
 
-_V4_FLASH = {
-    "hidden_size": 4096,
-    "num_attention_heads": 64,
-    "head_dim": 512,
-    "qk_rope_head_dim": 64,
-    "q_lora_rank": 1024,
-    "o_groups": 8,
-    "o_lora_rank": 1024,
-    "index_n_heads": 64,
-    "index_head_dim": 128,
-    "index_topk": 512,
-    "moe_intermediate_size": 2048,
-}
-_V41_FLASH = {
-    **_V4_FLASH,
-    "hidden_size": 5120,
-    "q_lora_rank": 1280,
-    "index_n_heads": 32,
-    "moe_intermediate_size": 2304,
-    "candidate_topk_blocks": 2048,
-    "candidate_block_size": 8,
-    "engram_n_heads": 8,
-    "engram_head_dim": 256,
-}
 _FEW_EXPERTS = {"n_routed_experts": 2, "num_experts_per_tok": 2}
-RELEASES = {"v4-flash": ("v4", _V4_FLASH), "v41-flash": ("v41", _V41_FLASH)}
+RELEASES = {"v4-flash": ("v4", V4_FLASH_WIDTHS), "v41-flash": ("v41", V41_FLASH_WIDTHS)}
 
 
 def release_model(name: str) -> torch.nn.Module:
