@@ -90,9 +90,10 @@ class Scheduler:
                 self.cache.free_request(request.id)
                 request.num_computed = 0
                 break
-            if self.cache.prefix is not None and request.num_cached is None:
+            if self.cache.prefix is not None:
                 self.prefix_queries += request.num_tokens
                 self.prefix_hits += hit
+            if request.num_cached is None:
                 request.num_cached = hit
             self.waiting.popleft()
             request.status = Status.RUNNING
