@@ -77,7 +77,8 @@ def start_engine(args: argparse.Namespace, path: Path) -> LLMEngine:
     weight_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     config = EngineConfig(args.max_num_seqs, args.max_num_batched_tokens, args.max_model_len, args.block_size,
                           kv_cache_bytes(args, weight_bytes), args.seed, args.speculative_method,
-                          args.num_speculative_tokens, args.dspark_min_confidence)  # fmt: skip
+                          args.num_speculative_tokens, args.dspark_min_confidence,
+                          args.enable_prefix_caching is not False, args.prefix_page_size)  # fmt: skip
     engine = LLMEngine(model, load_tokenizer(path), config)
     per_request = engine.cache.max_blocks(
         args.max_model_len + engine.lookahead, args.max_num_batched_tokens + engine.lookahead
@@ -110,8 +111,6 @@ def serve(args: argparse.Namespace, sock: socket.socket) -> None:
     # The engine thread's Python work (scheduling, sampling) holds the GIL between torch calls; handing
     # it over every 1 ms instead of 5 keeps the event loop, and so /health and the streams, responsive.
     sys.setswitchinterval(0.001)
-    if args.enable_prefix_caching:
-        log.warning("--enable-prefix-caching: prefix caching is not implemented yet; serving without it")
     path = Path(args.model) if args.model else cached_tiny("v41")
     try:
         engine = start_engine(args, path)
