@@ -67,6 +67,14 @@ def cached_blocks(engine: LLMEngine) -> dict[int, torch.Tensor]:
     return {b: engine.runner.pools.buffer[b].clone() for b in blocks}
 
 
+def test_a_page_size_off_the_model_is_refused_at_start(tiny):
+    arch, model, _ = tiny
+    bad = PAGE[arch] // 2 if arch == "v4" else model.cfg.sliding_window - 2  # below a ratio / the window
+    with pytest.raises(ValueError, match=f"page size {bad} must be a multiple"):
+        engine(tiny, prefix_page_size=bad)
+    assert engine(tiny, enable_prefix_caching=False).cache.prefix is None
+
+
 def test_a_hit_gives_the_logits_of_a_cold_run_chunked_at_the_boundary(tiny):
     arch, model, _ = tiny
     page = PAGE[arch]
