@@ -21,6 +21,8 @@ class EngineConfig:
     speculative_method: str | None = None  # "mtp" (V4 MTP layer) or "dspark" (DSpark stages)
     num_speculative_tokens: int | None = None  # drafts per step; default: 1 for mtp, the DSpark block
     dspark_min_confidence: float = 0.0  # verify the draft prefix whose confidence product stays above
+    enable_prefix_caching: bool = True
+    prefix_page_size: int = 256  # tokens per cached page: a multiple of every compress ratio, >= the window
 
     def __post_init__(self) -> None:
         if self.speculative_method not in (None, *SPECULATIVE_METHODS):

@@ -13,13 +13,14 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import KVCacheManager
 from engine.model_runner import ModelRunner
+from engine.prefix_cache import PrefixCache, cache_salt, check_page_size
 from engine.request import FinishReason, InvalidRequest, Request, SamplingParams
 from engine.sampler import Sampler
 from engine.scheduler import ScheduledChunk, Scheduler
 from engine.spec_decode import build_proposer
 from engine.spec_decode.proposer import Observation, Proposer
 from engine.spec_decode.stats import SpecDecodeStats
-from model.cache import cache_groups
+from model.cache import BoundaryState, SeqCache, cache_groups
 from model.deepseek_v4 import DeepseekV4
 from model.deepseek_v41 import DeepseekV41
 from triton_kernels.tuning import load_tuned_files
@@ -49,7 +50,9 @@ class LLMEngine:
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.tuned_files = load_tuned_files()  # a bad file fails here, before any request
         groups = cache_groups(model.cfg, model.embed.weight.element_size())
-        self.cache = KVCacheManager.from_budget(groups, config.block_size, config.kv_cache_memory)
+        self.cache = KVCacheManager.from_budget(
+            groups, config.block_size, config.kv_cache_memory, self._prefix_cache(model, config)
+        )
         self.runner = ModelRunner(model, self.cache)
         self.sampler = Sampler(config.seed, model.cfg.eos_token_id)
         self.proposer, self.num_drafts = build_proposer(
@@ -64,6 +67,15 @@ class LLMEngine:
         self.step_tokens = 0  # tokens the last step computed
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._arrivals = 0
+
+    @staticmethod
+    def _prefix_cache(model: DeepseekV4 | DeepseekV41, config: EngineConfig) -> PrefixCache | None:
+        if not config.enable_prefix_caching:
+            return None
+        cfg = model.cfg
+        check_page_size(config.prefix_page_size, tuple(cfg.compress_ratios), cfg.sliding_window)
+        dtypes = sorted({str(p.dtype) for p in model.parameters()})  # int8 where requantised
+        return PrefixCache(config.prefix_page_size, cache_salt(repr(cfg), *dtypes))
 
     def add_request(
         self, prompt: list[int], params: SamplingParams, request_id: str | None = None
@@ -117,6 +129,7 @@ class LLMEngine:
         self.step_tokens = sum(chunk.length for chunk in chunks)
         if not chunks:
             return []
+        self._resume_hits()
         out = self.runner.run(chunks)
         logits = iter(out.logits)
         updated, observations = [], []
@@ -139,8 +152,32 @@ class LLMEngine:
                 observation.request.proposal = proposal
         for chunk in chunks:  # after drafting: the MTP catch-up reads the window back from the chunk start
             if not chunk.request.finished:
+                self._checkpoint(chunk)
                 self.cache.release_old(chunk.request.id, chunk.request.num_computed)
         return updated
+
+    def _resume_hits(self) -> None:
+        """Requests admitted on a prefix-cache hit continue from the checkpoint's state, over copies of
+        the blocks their boundary falls inside."""
+        buffer = self.runner.pools.buffer
+        for source, destination in self.cache.take_copies():
+            buffer[destination] = buffer[source]
+        for request_id, state in self.cache.take_resumes().items():
+            assert isinstance(state, BoundaryState)
+            tables = {name: table.blocks for name, table in self.cache.tables[request_id].items()}
+            self.runner.seqs[request_id] = state.resume(tables)
+            if self.proposer:  # its draft context starts over with the request
+                self.proposer.release(request_id)
+
+    def _checkpoint(self, chunk: ScheduledChunk) -> None:
+        """A request whose step stopped on a page boundary: cache its pages and its state there (after
+        drafting, so that the draft layer's window holds every position before it)."""
+        request, prefix = chunk.request, self.cache.prefix
+        reached = request.num_computed
+        if prefix is None or reached <= chunk.start or reached % prefix.page_size:
+            return
+        seq: SeqCache = self.runner.seqs[request.id]
+        self.cache.register(request.id, request.tokens[:reached], BoundaryState.of(seq))
 
     def _sample(self, chunk: ScheduledChunk, logits: torch.Tensor) -> int:
         """Emit the tokens of a sampling chunk (its accepted drafts, then the target's token) and roll the

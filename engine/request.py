@@ -133,6 +133,7 @@ class Request:
     proposal: Proposal | None = None  # drafts to verify in the next step (speculative decoding)
     error: str | None = None  # why it finished with FinishReason.ERROR
     scheduled_at: float | None = None  # time.monotonic() when first scheduled (queue time for metrics)
+    num_cached: int | None = None  # prompt tokens the prefix cache held when first scheduled
 
     @property
     def tokens(self) -> list[int]:

@@ -5,6 +5,11 @@ verifies, when speculating), a prefill the next chunk that fits the budget. Wait
 admitted in arrival order while seats, budget and cache blocks last. When a running request cannot
 get its blocks, the newest running request is preempted (its cache freed, to be recomputed later),
 so the oldest always progresses.
+
+With a prefix cache, a request starting (again) first takes the longest cached prefix of its tokens
+and computes from there. Its computation stops on the page boundaries the cache checkpoints, so
+that the engine can save the state there: a prefill chunk ends at the last page boundary before the
+request's last known token, and a speculative step never verifies drafts past the next boundary.
 """
 
 from __future__ import annotations
@@ -50,6 +55,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.preemptions = 0
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hits = 0  # of those, the tokens found
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -76,9 +83,18 @@ class Scheduler:
                 budget -= chunk.length
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
+            hit = self.cache.attach_prefix(request.id, request.tokens) if request.num_computed == 0 else 0
+            request.num_computed = hit
             chunk = self._chunk(request, budget)
             if not self._allocate(chunk):
+                self.cache.free_request(request.id)
+                request.num_computed = 0
                 break
+            if self.cache.prefix is not None:
+                self.prefix_queries += request.num_tokens
+                self.prefix_hits += hit
+            if request.num_cached is None:
+                request.num_cached = hit
             self.waiting.popleft()
             request.status = Status.RUNNING
             if request.scheduled_at is None:
@@ -92,8 +108,18 @@ class Scheduler:
         start = request.num_computed
         known = request.num_tokens - start
         drafts = len(request.proposal.tokens) if request.proposal and known == 1 else 0
-        length = min(known + drafts, budget)
+        length = min(known + drafts, budget, self._to_boundary(request, start))
         return ScheduledChunk(request, start, length, max(0, length - known))
+
+    def _to_boundary(self, request: Request, start: int) -> int:
+        """The most tokens a step may compute from ``start`` without passing a checkpoint boundary."""
+        if self.cache.prefix is None:
+            return request.num_tokens
+        page = self.cache.prefix.page_size
+        last = (request.num_tokens - 1) // page * page  # the last boundary before the last known token
+        if start < last:
+            return last - start
+        return (start // page + 1) * page - start
 
     def _allocate(self, chunk: ScheduledChunk) -> bool:
         end = chunk.start + chunk.length + (self.lookahead if chunk.samples else 0)

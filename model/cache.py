@@ -19,6 +19,7 @@ import torch
 from model.compressor import CompressorState
 from model.config import ModelConfig
 from model.plan import build_plan
+from triton_kernels.compressor import CompressorStates
 
 
 @dataclass(frozen=True)
@@ -149,6 +150,61 @@ class SeqCache:
             state.rollback(keep)
         self.num_tokens = start + keep
         return history
+
+
+@dataclass(frozen=True)
+class SavedCompressor:
+    """A compressor's state on a window boundary: its open window is empty, so only the shape of that
+    buffer and (ratio 4 with overlap) the last group's Ca rows are kept."""
+
+    buffer_shape: tuple[int, ...]
+    overlap: tuple[torch.Tensor, torch.Tensor] | None
+    device: torch.device
+
+    @classmethod
+    def of(cls, state: CompressorState) -> SavedCompressor:
+        pending = state.pending
+        if state.num_tokens % (pending.buffer_kv.shape[1] + 1):
+            raise ValueError(f"{state.num_tokens} tokens seen: the compressor has an open window")
+        overlap = None
+        if pending.overlap_kv is not None and pending.overlap_gate is not None:
+            overlap = (pending.overlap_kv.clone(), pending.overlap_gate.clone())
+        return cls(tuple(pending.buffer_kv.shape), overlap, pending.buffer_kv.device)
+
+    def restore(self, num_tokens: int) -> CompressorState:
+        buffer = torch.zeros(self.buffer_shape, device=self.device)
+        slices = tuple(t.clone() for t in self.overlap) if self.overlap else ()
+        return CompressorState(CompressorStates(buffer, buffer.clone(), *slices), num_tokens)
+
+
+@dataclass(frozen=True)
+class BoundaryState:
+    """A request's dense state at a page boundary, for requests that continue from there."""
+
+    num_tokens: int
+    compressors: dict[int, SavedCompressor]
+    indexers: dict[int, SavedCompressor]
+    engram_history: torch.Tensor | None
+
+    @classmethod
+    def of(cls, seq: SeqCache) -> BoundaryState:
+        history = None if seq.engram_history is None else seq.engram_history.clone()
+        return cls(
+            seq.num_tokens,
+            {layer: SavedCompressor.of(state) for layer, state in seq.compressors.items()},
+            {layer: SavedCompressor.of(state) for layer, state in seq.indexers.items()},
+            history,
+        )
+
+    def resume(self, tables: dict[str, list[int]]) -> SeqCache:
+        """A request's cache over ``tables`` continuing from the boundary (the state is copied)."""
+        return SeqCache(
+            tables,
+            {layer: saved.restore(self.num_tokens) for layer, saved in self.compressors.items()},
+            {layer: saved.restore(self.num_tokens) for layer, saved in self.indexers.items()},
+            None if self.engram_history is None else self.engram_history.clone(),
+            self.num_tokens,
+        )
 
 
 @dataclass

@@ -253,6 +253,7 @@ class OpenAIServer:
                 f.token_ids += u.token_ids
                 f.logprobs += u.logprobs
                 f.text, f.finish_reason = u.text, u.finish_reason
+                f.cached_tokens += u.cached_tokens
             return finals
 
         async def disconnected() -> None:
@@ -291,9 +292,10 @@ class OpenAIServer:
 
         return StreamingResponse(body(), media_type="text/event-stream")
 
-    def usage(self, prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
         total = prompt_tokens + completion_tokens
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": total}
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": total,
+                "prompt_tokens_details": {"cached_tokens": cached_tokens}}  # fmt: skip
 
     # ---- chat encoding (engine/server/chat.py serves the route) ----------------------------------------
     def chat_prompt(self, body: ChatCompletionRequest | TokenizeRequest, mode: str, schema: Any) -> str:

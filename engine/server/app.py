@@ -77,8 +77,9 @@ async def log_stats(server: OpenAIServer, every: float = 10.0) -> None:
         last = tokens
         log.info(
             "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
-            "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%", prompt, generated, running, waiting,
-            100 * server.engine.cache.usage_ratio(),
+            "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%",
+            prompt, generated, running, waiting, 100 * server.engine.cache.usage_ratio(),
+            100 * metrics.prefix_hit_rate(),
         )  # fmt: skip
 
 

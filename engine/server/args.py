@@ -107,7 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
                        "--kv-cache-memory)")  # fmt: skip
     cache.add_argument("--kv-cache-dtype", default="auto", help="auto only (the model's own cache formats)")
     cache.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
-                       help="accepted; not implemented yet, so it changes nothing")  # fmt: skip
+                       help="reuse the KV of cached prompt prefixes, in pages (default: on)")  # fmt: skip
+    cache.add_argument("--prefix-page-size", type=int, default=EngineConfig.prefix_page_size,
+                       help="tokens per cached page: a multiple of every compress ratio, at least the "
+                       "sliding window")  # fmt: skip
     cache.add_argument("--enforce-eager", action="store_true", help="accepted: no graphs are captured")
     cache.add_argument("--seed", type=int, default=0, help="seeds the requests that bring no seed")
 

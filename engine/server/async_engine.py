@@ -48,6 +48,7 @@ class Update:
     finish_reason: str | None = None  # stop, length, abort or error
     error: str | None = None
     status: int = 500  # with an error: 400 when the request's own input failed, 503 at shutdown
+    cached_tokens: int = 0  # in the final update: prompt tokens the prefix cache held
 
 
 @dataclass
@@ -92,7 +93,7 @@ class AsyncEngine:
         metrics.running.set_function(lambda: len(scheduler.running))
         metrics.waiting.set_function(lambda: max(0, self._admitted - len(scheduler.running)))
         metrics.kv_usage.set_function(cache.usage_ratio)
-        metrics.describe_cache(cache.block_size, cache.num_blocks)
+        metrics.describe_cache(cache.block_size, cache.num_blocks, cache.prefix is not None)
 
     def start(self) -> None:
         self._thread.start()
@@ -283,7 +284,8 @@ class AsyncEngine:
             return
         self._observe_finish(sequence, request, len(completion.token_ids), now)
         self.metrics.finished(completion.finish_reason)
-        sequence.sink(Update(sequence.index, tokens, logprobs, completion.text, completion.finish_reason))
+        sequence.sink(Update(sequence.index, tokens, logprobs, completion.text, completion.finish_reason,
+                             cached_tokens=request.num_cached or 0))  # fmt: skip
 
     def _observe_finish(self, sequence: _Sequence, request: Request, generated: int, now: float) -> None:
         metrics, first = self.metrics, sequence.first_token_at
@@ -321,5 +323,6 @@ class AsyncEngine:
             sequence.sink(Update(sequence.index, [], [], "", "error", "the engine stopped", 503))
 
     def _observe(self) -> None:
-        self.metrics.observe_engine(self.engine.scheduler.preemptions)
+        scheduler = self.engine.scheduler
+        self.metrics.observe_engine(scheduler.preemptions, scheduler.prefix_queries, scheduler.prefix_hits)
         self.metrics.observe_spec_decode(self.engine.spec_stats)

@@ -100,7 +100,8 @@ async def chat_completions(server: OpenAIServer, request: Request) -> Response:
             out.append(
                 {"index": u.index, "message": message, "logprobs": logprobs(u), "finish_reason": finish}
             )
-        usage = server.usage(len(prompt), sum(len(u.token_ids) for u in finals))
+        cached = max((u.cached_tokens for u in finals), default=0)
+        usage = server.usage(len(prompt), sum(len(u.token_ids) for u in finals), cached)
         return JSONResponse({**base, "choices": out, "usage": usage})
 
     include_usage = body.stream_options is not None and body.stream_options.include_usage
@@ -113,9 +114,10 @@ async def chat_completions(server: OpenAIServer, request: Request) -> Response:
     async def chunks() -> AsyncIterator[str]:
         for i in range(len(choices)):
             yield chunk(i, {"role": "assistant", "content": ""})
-        generated = 0
+        generated = cached = 0
         async for u in server.updates(group):
             generated += len(u.token_ids)
+            cached = max(cached, u.cached_tokens)
             d, finish = choices[u.index].advance(u.text, u.finish_reason)
             delta = _delta(d)
             if delta or (u.token_ids and top is not None):
@@ -123,6 +125,6 @@ async def chat_completions(server: OpenAIServer, request: Request) -> Response:
             if finish is not None:
                 yield chunk(u.index, {}, None, finish)
         if include_usage:
-            yield sse({**base, "choices": [], "usage": server.usage(len(prompt), generated)})
+            yield sse({**base, "choices": [], "usage": server.usage(len(prompt), generated, cached)})
 
     return server.stream(group, chunks())

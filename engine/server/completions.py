@@ -52,7 +52,8 @@ async def completions(server: OpenAIServer, request: Request) -> Response:
             }
             for u in finals
         ]
-        usage = server.usage(prompt_tokens, sum(len(u.token_ids) for u in finals))
+        cached = sum(u.cached_tokens for u in finals if u.index % body.n == 0)  # each prompt's first sequence
+        usage = server.usage(prompt_tokens, sum(len(u.token_ids) for u in finals), cached)
         return JSONResponse({**base, "choices": choices, "usage": usage})
 
     include_usage = body.stream_options is not None and body.stream_options.include_usage
@@ -60,9 +61,10 @@ async def completions(server: OpenAIServer, request: Request) -> Response:
     async def chunks() -> AsyncIterator[str]:
         releases = [TextRelease(sp.stop) for _, sp, _ in seqs]
         offsets = [len(e) for e in echo]
-        generated = 0
+        generated = cached = 0
         async for u in server.updates(group):
             generated += len(u.token_ids)
+            cached += u.cached_tokens if u.index % body.n == 0 else 0
             text = echo[u.index] + releases[u.index].next(u.text, u.finish_reason is not None)
             echo[u.index] = ""
             if not text and u.finish_reason is None and body.logprobs is None:
@@ -72,6 +74,6 @@ async def completions(server: OpenAIServer, request: Request) -> Response:
             choice = {"index": u.index, "text": text, "logprobs": lp, "finish_reason": u.finish_reason}
             yield sse({**base, "choices": [choice], **({"usage": None} if include_usage else {})})
         if include_usage:
-            yield sse({**base, "choices": [], "usage": server.usage(prompt_tokens, generated)})
+            yield sse({**base, "choices": [], "usage": server.usage(prompt_tokens, generated, cached)})
 
     return server.stream(group, chunks())

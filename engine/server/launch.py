@@ -4,6 +4,7 @@ encoding and the sampling defaults, the start-up lines, then uvicorn until a sig
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -82,9 +83,9 @@ def start_engine(args: argparse.Namespace, path: Path) -> LLMEngine:
     log.info(plan.line())
     model = load_model(path, dtype, device, quantization)
     weight_bytes = plan.weight_bytes
-    config = EngineConfig(args.max_num_seqs, args.max_num_batched_tokens, args.max_model_len, args.block_size,
-                          plan.kv_bytes, args.seed, args.speculative_method,
-                          args.num_speculative_tokens, args.dspark_min_confidence)  # fmt: skip
+    flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
+    flags.update(kv_cache_memory=plan.kv_bytes, enable_prefix_caching=args.enable_prefix_caching is not False)
+    config = EngineConfig(**flags)
     engine = LLMEngine(model, load_tokenizer(path), config)
     per_request = engine.cache.max_blocks(
         args.max_model_len + engine.lookahead, args.max_num_batched_tokens + engine.lookahead
@@ -117,8 +118,6 @@ def serve(args: argparse.Namespace, sock: socket.socket) -> None:
     # The engine thread's Python work (scheduling, sampling) holds the GIL between torch calls; handing
     # it over every 1 ms instead of 5 keeps the event loop, and so /health and the streams, responsive.
     sys.setswitchinterval(0.001)
-    if args.enable_prefix_caching:
-        log.warning("--enable-prefix-caching: prefix caching is not implemented yet; serving without it")
     path = Path(args.model) if args.model else cached_tiny("v41")
     try:
         engine = start_engine(args, path)

@@ -2,8 +2,9 @@
 types and labels (`vllm:` prefix, labels `model_name` and `engine`), so existing vLLM dashboards work.
 The project's own extras carry the `deepseek:` prefix.
 
-Requests count sequences (an `n=2` request is two), as vLLM's do. Prefix-cache counters stay at zero
-until prefix caching exists; the speculative-decoding series exist only when speculating.
+Requests count sequences (an `n=2` request is two), as vLLM's do. The prefix-cache counters count
+prompt tokens looked up and found each time a sequence is admitted (again, after a preemption); the
+speculative-decoding series exist only when speculating.
 """
 
 from __future__ import annotations
@@ -85,6 +86,7 @@ class Metrics:
             }  # fmt: skip
         self._counted = SpecDecodeStats()
         self._preempted = 0
+        self._prefix_counted = (0, 0)
 
     def _vllm(
         self, kind: type, name: str, doc: str, buckets: tuple | None = None, labels: tuple[str, ...] = ()
@@ -100,15 +102,26 @@ class Metrics:
         """The current value of a counter or gauge of this model."""
         return next(s.value for m in metric.collect() for s in m.samples if not s.name.endswith("_created"))
 
-    def describe_cache(self, block_size: int, num_blocks: int) -> None:
-        self.cache_config.labels(*self._labels, str(block_size), "auto", "False", str(num_blocks)).set(1)
+    def describe_cache(self, block_size: int, num_blocks: int, prefix_caching: bool = False) -> None:
+        labels = (str(block_size), "auto", str(prefix_caching), str(num_blocks))
+        self.cache_config.labels(*self._labels, *labels).set(1)
 
     def finished(self, reason: str) -> None:
         self._success.labels(*self._labels, reason).inc()
 
-    def observe_engine(self, preemptions: int) -> None:
+    def observe_engine(self, preemptions: int, prefix_queries: int = 0, prefix_hits: int = 0) -> None:
+        """The engine's running totals: each series grows by what is new since the last call."""
         self.preemptions.inc(preemptions - self._preempted)
         self._preempted = preemptions
+        queried, hit = self._prefix_counted
+        self.prefix_cache_queries.inc(prefix_queries - queried)
+        self.prefix_cache_hits.inc(prefix_hits - hit)
+        self._prefix_counted = (prefix_queries, prefix_hits)
+
+    def prefix_hit_rate(self) -> float:
+        """Prompt tokens found in the prefix cache over those looked up, since the start (0 before any)."""
+        queries = self.count(self.prefix_cache_queries)
+        return self.count(self.prefix_cache_hits) / queries if queries else 0.0
 
     def observe_spec_decode(self, stats: SpecDecodeStats) -> None:
         if not self._spec:
