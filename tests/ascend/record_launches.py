@@ -2,11 +2,14 @@
 launches.json, for the Ascend gate.
 
 The gate lowers every (kernel, signature, constexprs) recorded here, so the constexpr values and dtypes
-the models really launch are compiled for Ascend, not only the representative ones of ``KERNELS``. The
-tiny models run in fp32 from their checkpoints; the releases in bf16 (the device default) at their own
-widths (model-spec §2: heads, head and rope dims, ranks, Engram heads: all that shapes a constexpr), with
-the toy's depth, vocabulary and a pair of routed experts, and random weights, so that they fit a CPU.
-Run it in the main venv (upstream triton, interpreter) after a change to a launcher or to the models; the
+the models really launch are compiled for Ascend, not only the representative ones of ``KERNELS``.
+The tiny models run from their checkpoints in fp32, and from their official FP8 / MXFP4 form (kept
+packed) in bf16, the device default. The releases run in bf16 at their own widths (model-spec §2:
+heads, head and rope dims, ranks, Engram heads: all that shapes a constexpr) with the toy's depth,
+vocabulary and a pair of routed experts, and random dense weights, so that they fit a CPU. Their packed
+GEMMs launch the tiles of the tiny FP8 models (the widths do not choose them) with V4's 128-wide scale
+blocks, which the toys cannot take (a 32-row output group): that variant is lowered as declared. Run
+it in the main venv (upstream triton, interpreter) after a change to a launcher or to the models; the
 accesses marked in bounds are checked for every lane meanwhile (tests/triton_kernels/bounds.py):
 
     python tests/ascend/record_launches.py
@@ -42,6 +45,7 @@ CHUNKS = (12, 1, 3)
 
 _FEW_EXPERTS = {"n_routed_experts": 2, "num_experts_per_tok": 2}
 RELEASES = {"v4-flash": ("v4", V4_FLASH_WIDTHS), "v41-flash": ("v41", V41_FLASH_WIDTHS)}
+MODELS = (*ARCHS, *(f"{arch}-fp8" for arch in ARCHS), *RELEASES)
 
 
 def release_model(name: str) -> torch.nn.Module:
@@ -74,9 +78,10 @@ def record(name: str) -> list[tuning.Launch]:
     """The model's launches; every lane of the accesses marked in bounds is checked on the way."""
     if name in RELEASES:
         model = release_model(name)
-    else:
+    else:  # "<arch>-fp8": the official storage, kept packed, computing in bf16 as on a device
+        arch, fp8 = name.removesuffix("-fp8"), name.endswith("-fp8")
         with tempfile.TemporaryDirectory() as tmp:
-            model = load_model(write_tiny(Path(tmp), name))
+            model = load_model(write_tiny(Path(tmp), arch, fp8=fp8), torch.bfloat16 if fp8 else torch.float32)
     ids = torch.randint(3, model.cfg.vocab_size, (sum(CHUNKS),), generator=torch.Generator().manual_seed(0))
     state, start = model.new_state(), 0
     check = BoundsCheck(marked_lines(sorted(PACKAGE.glob("*.py"))))
@@ -91,7 +96,7 @@ def record(name: str) -> list[tuning.Launch]:
 
 def main() -> int:
     entries: dict[str, dict] = {}
-    for arch in (*ARCHS, *RELEASES):
+    for arch in MODELS:
         for launch in record(arch):
             entry = {
                 "op": launch.kernel.op,
@@ -106,7 +111,7 @@ def main() -> int:
     for entry in unique:
         entry["models"] = sorted(set(entry["models"]))
     OUT.write_text(json.dumps({"launches": unique}, indent=1) + "\n")
-    print(f"{len(unique)} distinct launches of {', '.join((*ARCHS, *RELEASES))} written to {OUT}")
+    print(f"{len(unique)} distinct launches of {', '.join(MODELS)} written to {OUT}")
     return 0
 
 

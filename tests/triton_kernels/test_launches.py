@@ -13,7 +13,7 @@ from model.tiny import ARCHS
 from triton_kernels import tuning
 
 LAUNCHES = Path(__file__).resolve().parents[1] / "ascend" / "launches.json"
-MODELS = {*ARCHS, "v4-flash", "v41-flash"}
+MODELS = {*ARCHS, *(f"{arch}-fp8" for arch in ARCHS), "v4-flash", "v41-flash"}
 
 
 def test_recorded_launches_name_the_kernels_and_their_parameters() -> None:
