@@ -33,7 +33,7 @@ class _Reply:
         self.reasoning_id, self.message_id = f"rs_{uuid.uuid4().hex}", f"msg_{uuid.uuid4().hex}"
         self.body, self.model, self.input_tokens = body, model, input_tokens
         self.reasoning = self.text = ""
-        self.output_tokens, self.status, self.finish = 0, "in_progress", None
+        self.output_tokens, self.cached_tokens, self.status, self.finish = 0, 0, "in_progress", None
 
     def reasoning_item(self) -> dict[str, Any]:
         content = [{"type": "reasoning_text", "text": self.reasoning}]
@@ -49,7 +49,7 @@ class _Reply:
         incomplete = {"reason": "max_output_tokens"} if self.finish == "length" else None
         usage = {"input_tokens": self.input_tokens, "output_tokens": self.output_tokens,
                  "total_tokens": self.input_tokens + self.output_tokens,
-                 "input_tokens_details": {"cached_tokens": 0},
+                 "input_tokens_details": {"cached_tokens": self.cached_tokens},
                  "output_tokens_details": {"reasoning_tokens": 0}}  # fmt: skip
         body = self.body
         return {"id": self.id, "object": "response", "created_at": self.created, "status": self.status,
@@ -75,10 +75,11 @@ async def responses(server: OpenAIServer, request: Request) -> Response:
     if not body.stream:
         (final,) = await server.collect(request, run.group)
         delta, finish = choice.advance(final.text, final.finish_reason)
-        reply.reasoning, reply.text, reply.output_tokens = (
+        reply.reasoning, reply.text, reply.output_tokens, reply.cached_tokens = (
             delta.reasoning_content,
             delta.content,
             len(final.token_ids),
+            final.cached_tokens,
         )
         reply.end(finish)
         return JSONResponse(reply.object())
@@ -97,6 +98,7 @@ async def responses(server: OpenAIServer, request: Request) -> Response:
         empty = {"type": "output_text", "text": "", "annotations": []}
         async for u in server.updates(run.group):
             reply.output_tokens += len(u.token_ids)
+            reply.cached_tokens = max(reply.cached_tokens, u.cached_tokens)
             delta, finish = choice.advance(u.text, u.finish_reason)
             if delta.reasoning_content:
                 if not reasoning_open:

@@ -34,3 +34,13 @@ def test_a_repeated_system_prompt_is_cached_and_reported(server: Served):
     found = first.usage.prompt_tokens_details.cached_tokens + 2 * cached
     assert server.metric("vllm:prefix_cache_queries_total", model_name=MODEL) - queries == prompts
     assert server.metric("vllm:prefix_cache_hits_total", model_name=MODEL) - hits == found
+
+
+def test_responses_report_their_cached_input_tokens(server: Served):
+    client = server.client()
+    replies = [
+        client.responses.create(model=MODEL, instructions=SYSTEM, input=question, max_output_tokens=2)
+        for question in ("Name a colour.", "Name a fruit.")
+    ]
+    cached = replies[1].usage.input_tokens_details.cached_tokens
+    assert cached % PAGE == 0 and PAGE <= cached < replies[1].usage.input_tokens
