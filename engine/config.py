@@ -25,6 +25,16 @@ class EngineConfig:
     prefix_page_size: int = 256  # tokens per cached page: a multiple of every compress ratio, >= the window
 
     def __post_init__(self) -> None:
+        counts = ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "prefix_page_size")
+        for name in counts:
+            if (value := getattr(self, name)) < 1:
+                raise ValueError(f"{name}={value} must be at least 1")
+        if self.kv_cache_memory < 0:
+            raise ValueError(f"kv_cache_memory={self.kv_cache_memory} must be at least 0 bytes")
+        if not -(2**63) <= self.seed < 2**64:
+            raise ValueError(f"seed={self.seed} must be in [-2**63, 2**64)")
+        if not 0.0 <= self.dspark_min_confidence < 1.0:
+            raise ValueError(f"dspark_min_confidence={self.dspark_min_confidence} must be in [0, 1)")
         if self.speculative_method not in (None, *SPECULATIVE_METHODS):
             raise ValueError(
                 f"speculative_method={self.speculative_method!r} must be one of {SPECULATIVE_METHODS}"
