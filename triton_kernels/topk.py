@@ -91,12 +91,20 @@ def check_candidate_geometry(block_size: int, topk_blocks: int) -> None:
 def topk_positions_ref(scores: torch.Tensor, k: int) -> torch.Tensor:
     t, n = scores.shape
     canonical = torch.where(scores == 0, 0.0, scores)  # -0.0 ties with +0.0
-    # A stable descending sort keeps equal scores in position order: the lower position wins.
-    order = torch.sort(canonical, dim=1, descending=True, stable=True).indices[:, :k]
-    kept = canonical.gather(1, order) > float("-inf")
-    picked = torch.sort(torch.where(kept, order, n), dim=1).values
-    picked = torch.where(picked < n, picked, -1).to(torch.int32)
-    return torch.cat([picked, picked.new_full((t, k - picked.shape[1]), -1)], dim=1)
+    kept = min(k, n)
+    # Everything above the k-th largest score, then the lowest positions equal to it (the lower position
+    # wins ties): exactly k picks, found by ``topk`` of the values (whose order among ties is unspecified).
+    threshold = (
+        canonical.topk(kept, dim=1).values[:, -1:] if kept else canonical.new_full((t, 1), float("inf"))
+    )
+    above, tied = canonical > threshold, canonical == threshold
+    room = kept - above.sum(dim=1, keepdim=True)
+    chosen = (above | (tied & (tied.cumsum(dim=1) <= room))) & (canonical > float("-inf"))
+    # The chosen positions ascending: each goes to its rank among its row's, the rest to a spare column.
+    rank = torch.where(chosen, chosen.cumsum(dim=1) - 1, k)
+    picked = torch.full((t, k + 1), -1, dtype=torch.int32, device=scores.device)
+    picked.scatter_(1, rank, torch.arange(n, dtype=torch.int32, device=scores.device).expand(t, -1))
+    return picked[:, :k]
 
 
 def block_scores_ref(scores: torch.Tensor, visible: torch.Tensor, block_size: int) -> torch.Tensor:
