@@ -121,7 +121,8 @@ class SharedKVAttention(nn.Module):
         # Group g of H/G heads is projected by row block g of wo_a only.
         grouped = out.reshape(out.shape[0], self.groups, -1)
         weight = self.wo_a.weight.view(self.groups, -1, grouped.shape[-1])
-        return self.wo_b(torch.einsum("tgi,goi->tgo", grouped, weight).flatten(1))
+        projected = torch.bmm(grouped.transpose(0, 1), weight.transpose(1, 2))  # [G, T, o_lora]
+        return self.wo_b(projected.transpose(0, 1).flatten(1))
 
 
 class V4Attention(SharedKVAttention):

@@ -223,17 +223,20 @@ def indexer_logits_ref(queries: IndexQueries, pool: KeyPool) -> torch.Tensor:
     bs, device = pool.block_size, q.device
     t, heads, dim = q.shape
     j = torch.arange(pool.capacity, device=device)
-    slots = pool.block_table[:, j // bs].long() * bs + j % bs  # [R, capacity], negative when unused
-    token_slots = slots.clamp(min=0)[queries.request.long()]  # [T, capacity]: the token's request's
+    slots = pool.block_table[:, j // bs].long().clamp(min=0) * bs + j % bs  # [R, capacity]
+
+    def keys(at: torch.Tensor) -> torch.Tensor:
+        return _dequantised(pool.keys[at], None if pool.scale is None else pool.scale[at])
+
+    # The tokens of one request (a prefill) share its keys; otherwise each token gathers its request's.
+    shared = keys(slots[0]).T if slots.shape[0] == 1 and t > 1 else None
+    token_slots = slots[queries.request.long()] if shared is None else None
     logits = torch.empty(t, pool.capacity, device=device)
     # Tokens a chunk at a time, so that the [tokens, heads, keys] products stay small.
     step = max(1, _REF_CHUNK // max(1, pool.capacity * max(heads, dim)))
     for lo in range(0, t, step):
         rows = slice(lo, lo + step)
-        keys = _dequantised(
-            pool.keys[token_slots[rows]], None if pool.scale is None else pool.scale[token_slots[rows]]
-        )
-        dots = torch.bmm(q[rows], keys.transpose(1, 2))  # [t, H, capacity]
+        dots = q[rows] @ (shared if shared is not None else keys(token_slots[rows]).transpose(1, 2))
         logits[rows] = dots.relu_().mul_(queries.weights[rows, :, None]).sum(dim=1)
     return logits.masked_fill_(j >= queries.visible[:, None], float("-inf"))
 

@@ -90,21 +90,27 @@ def check_candidate_geometry(block_size: int, topk_blocks: int) -> None:
 
 def topk_positions_ref(scores: torch.Tensor, k: int) -> torch.Tensor:
     t, n = scores.shape
-    canonical = torch.where(scores == 0, 0.0, scores)  # -0.0 ties with +0.0
+    canonical = scores + 0.0  # -0.0 ties with +0.0 (-0.0 + 0.0 is +0.0)
     kept = min(k, n)
+    picked = torch.full((t, k), -1, dtype=torch.int32, device=scores.device)
+    if not kept:
+        return picked
+    position = torch.arange(n, dtype=torch.int32, device=scores.device).expand(t, -1)
+
+    def lowest(chosen: torch.Tensor) -> torch.Tensor:
+        """The ``kept`` lowest positions where ``chosen``, ascending, ``n`` beyond the chosen ones."""
+        return torch.where(chosen, position, n).topk(kept, dim=1, largest=False).values
+
     # Everything above the k-th largest score, then the lowest positions equal to it (the lower position
-    # wins ties): exactly k picks, found by ``topk`` of the values (whose order among ties is unspecified).
-    threshold = (
-        canonical.topk(kept, dim=1).values[:, -1:] if kept else canonical.new_full((t, 1), float("inf"))
-    )
+    # wins ties): ``topk`` finds the values, positions are picked by value (its order among ties is free).
+    threshold = canonical.topk(kept, dim=1).values[:, -1:]
     above, tied = canonical > threshold, canonical == threshold
     room = kept - above.sum(dim=1, keepdim=True)
-    chosen = (above | (tied & (tied.cumsum(dim=1) <= room))) & (canonical > float("-inf"))
-    # The chosen positions ascending: each goes to its rank among its row's, the rest to a spare column.
-    rank = torch.where(chosen, chosen.cumsum(dim=1) - 1, k)
-    picked = torch.full((t, k + 1), -1, dtype=torch.int32, device=scores.device)
-    picked.scatter_(1, rank, torch.arange(n, dtype=torch.int32, device=scores.device).expand(t, -1))
-    return picked[:, :k]
+    last_tied = lowest(tied).gather(1, (room - 1).clamp(min=0))
+    chosen = (above | (tied & (position <= last_tied) & (room > 0))) & (canonical > float("-inf"))
+    first = lowest(chosen)
+    picked[:, :kept] = torch.where(first < n, first, -1)
+    return picked
 
 
 def block_scores_ref(scores: torch.Tensor, visible: torch.Tensor, block_size: int) -> torch.Tensor:
