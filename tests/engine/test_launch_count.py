@@ -18,7 +18,7 @@ from collections import Counter
 import pytest
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tests.engine.test_decode_step import decoding
+from tests.engine.test_decode_step import decoding, watching
 from triton_kernels import runtime
 
 LENGTHS = (5, 29, 13, 21, 9, 33, 17, 25)
@@ -41,16 +41,7 @@ class Launches(TorchDispatchMode):
 def launches_per_step(arch: str, lengths: tuple[int, ...]) -> Counter:
     engine = decoding(arch, lengths)
     model, hook = engine.runner.model, Launches()
-    forward = model.batch_forward
-
-    def watched(*args, **kwargs):
-        hook.active = True
-        try:
-            return forward(*args, **kwargs)
-        finally:
-            hook.active = False
-
-    model.batch_forward = watched
+    model.batch_forward = watching(hook, model.batch_forward)
     with hook:
         done = engine.step()
     assert len(done) == engine.step_tokens == len(lengths)  # one decode token of every request
