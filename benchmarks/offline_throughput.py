@@ -1,17 +1,14 @@
-"""Offline throughput of the engine next to transformers, and V4.1 decode step time against context.
+"""Offline throughput of the engine next to transformers on the tiny V4 checkpoint.
 
-``python -m benchmarks.offline_throughput [--equal 8 128 64] [--requests 64] [--max-tokens 16]
-[--contexts 1024 4096 16384]``
+``python -m benchmarks.offline_throughput [--equal 8 128 64] [--requests 64] [--max-tokens 16]``
 
-1. Output tokens/s of ``LLMEngine`` on the tiny V4 checkpoint for equal prompts (8 x 128 tokens, 64 new
-   each by default) next to transformers' batched ``DeepseekV4ForCausalLM.generate`` over the same
-   prompts (one ``[8, 128]`` batch: equal lengths need no padding), both greedy; the ratio, and whether
-   the outputs are identical.
-2. The same for requests of mixed lengths, transformers one request at a time (its V4 cache has no
-   padding support, so batching them is not an option).
-3. The decode step time of the tiny V4.1 at several context lengths: with sparse attention and the
-   two-level indexer it should stay nearly flat.
-Both are measured side by side in one run; the numbers are for this machine only.
+(a) Output tokens/s of ``LLMEngine`` for equal prompts (8 x 128 tokens, 64 new each by default) next to
+    transformers' batched ``DeepseekV4ForCausalLM.generate`` over the same prompts (one ``[8, 128]``
+    batch: equal lengths need no padding), both greedy; the ratio, and whether the outputs are identical.
+(b) The same for requests of mixed lengths against transformers' best mode for them: one batch per prompt
+    length (its V4 cache has no padding support, so prompts of different lengths cannot share a batch).
+Both are measured side by side in one run; the numbers are for this machine only (the V4.1 decode step
+against context is ``benchmarks.long_context``).
 """
 
 from __future__ import annotations
@@ -67,26 +64,31 @@ def transformers_model(path: Path):
 
 
 def transformers_throughput(
-    path: Path, prompts: list[list[int]], max_tokens: int, batched: bool
+    path: Path, prompts: list[list[int]], max_tokens: int
 ) -> tuple[float, list[list[int]]]:
-    """Greedy ``generate``: all prompts as one batch (``batched``, equal lengths) or one at a time."""
+    """Greedy ``generate`` with one batch per prompt length; outputs in the order of ``prompts``."""
     model = transformers_model(path)
-    groups = [prompts] if batched else [[p] for p in prompts]
-    outputs = []
+    groups: dict[int, list[int]] = {}
+    for i, p in enumerate(prompts):
+        groups.setdefault(len(p), []).append(i)
+    outputs: list[list[int]] = [[] for _ in prompts]
     start = time.perf_counter()
     with torch.no_grad():
-        for group in groups:
-            out = model.generate(torch.tensor(group), max_new_tokens=max_tokens, do_sample=False)
-            outputs += out[:, len(group[0]) :].tolist()
+        for length, members in groups.items():
+            batch = torch.tensor([prompts[i] for i in members])
+            out = model.generate(batch, max_new_tokens=max_tokens, do_sample=False)
+            for i, row in zip(members, out[:, length:].tolist(), strict=True):
+                outputs[i] = row
     return time.perf_counter() - start, outputs
 
 
-def compare(label: str, path: Path, prompts: list[list[int]], max_tokens: int, batched: bool) -> None:
+def compare(label: str, path: Path, prompts: list[list[int]], max_tokens: int) -> None:
     ours, our_out = engine_throughput(path, prompts, max_tokens)
-    theirs, their_out = transformers_throughput(path, prompts, max_tokens, batched)
+    theirs, their_out = transformers_throughput(path, prompts, max_tokens)
     ours_rate = sum(map(len, our_out)) / ours
     their_rate = sum(map(len, their_out)) / theirs
-    mode = "batched" if batched else "one request at a time"
+    batches = len({len(p) for p in prompts})
+    mode = f"{batches} batch{'es' if batches > 1 else ''}, one per prompt length"
     print(f"tiny V4, {label}, {max_tokens} new tokens each, greedy:")
     print(f"  engine        {ours_rate:8.1f} output tok/s ({ours:.1f} s)")
     print(f"  transformers  {their_rate:8.1f} output tok/s ({theirs:.1f} s, {mode})")
@@ -95,39 +97,20 @@ def compare(label: str, path: Path, prompts: list[list[int]], max_tokens: int, b
     print(f"  outputs {'identical' if same == len(prompts) else 'DIFFER'}: {same} of {len(prompts)} requests")
 
 
-def decode_step_ms(path: Path, context: int, steps: int = 8) -> float:
-    model = load_model(path)
-    ids = torch.randint(
-        3, model.cfg.vocab_size, (context + steps,), generator=torch.Generator().manual_seed(1)
-    )
-    state = model.new_state()
-    with torch.no_grad():
-        for start in range(0, context, 512):  # chunked prefill keeps the scorers' [T, H, E] temporaries small
-            model(ids[start : min(context, start + 512)], state, last_only=True)
-        begin = time.perf_counter()
-        for t in range(context, context + steps):
-            model(ids[t : t + 1], state, last_only=True)
-    return (time.perf_counter() - begin) / steps * 1e3
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--equal", type=int, nargs=3, default=[8, 128, 64], metavar=("N", "LEN", "NEW"))
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=16)
-    parser.add_argument("--contexts", type=int, nargs="*", default=[1024, 4096, 16384])
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        v4, v41 = write_tiny(Path(tmp) / "v4", "v4"), write_tiny(Path(tmp) / "v41", "v41")
+        v4 = write_tiny(Path(tmp) / "v4", "v4")
         vocab = load_tokenizer().get_vocab_size()
         count, length, new = args.equal
-        compare(f"{count} prompts x {length} tokens", v4, equal_prompts(count, length, vocab), new, True)
+        compare(f"(a) {count} prompts x {length} tokens", v4, equal_prompts(count, length, vocab), new)
         if args.requests:
             mixed = mixed_prompts(args.requests, vocab)
-            compare(f"{args.requests} mixed requests", v4, mixed, args.max_tokens, False)
-        print("tiny V4.1 decode step time (one request):")
-        for context in args.contexts:
-            print(f"  context {context:6d}: {decode_step_ms(v41, context):7.1f} ms/step")
+            compare(f"(b) {args.requests} mixed-length requests", v4, mixed, args.max_tokens)
 
 
 if __name__ == "__main__":

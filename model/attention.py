@@ -44,7 +44,7 @@ class Indexer(nn.Module):
     def compress(self, x: torch.Tensor, batch: Batch, inv_freq: torch.Tensor) -> None:
         """Store the index keys of the groups ``x`` closes in the layer's key pool."""
         layer, pool = self.plan.index, batch.pools.index_keys[self.plan.index]
-        states = [seq.indexers.setdefault(layer, self.compressor.new_state(x.device)) for seq in batch.seqs]
+        states = self.compressor.states_of([seq.indexers for seq in batch.seqs], layer, x.device)
         keys, request, numbers = self.compressor.pool_batch(x, batch.bounds, states, inv_freq)
         batch.store(pool, self.plan.compress_ratio, request, numbers, keys)
 
@@ -139,10 +139,7 @@ class V4Attention(SharedKVAttention):
         pools = [self.window_keys(kv, batch)]
         if plan.has_compressor:
             pool, ratio = batch.pools.entries[plan.index], plan.compress_ratio
-            states = [
-                seq.compressors.setdefault(plan.index, self.compressor.new_state(x.device))
-                for seq in batch.seqs
-            ]
+            states = self.compressor.states_of([s.compressors for s in batch.seqs], plan.index, x.device)
             entries, request, numbers = self.compressor.pool_batch(x, batch.bounds, states, inv_freq)
             batch.store(pool, ratio, request, numbers, entries)
             if plan.has_indexer:

@@ -113,9 +113,7 @@ class V41Attention(SharedKVAttention):
     def _publish_entries(self, x: torch.Tensor, batch: Batch, inv_freq: torch.Tensor) -> None:
         """Compress ``x`` and store each new entry: the rotated latent and its index key."""
         plan, ratio = self.plan, self.plan.compress_ratio
-        states = [
-            seq.compressors.setdefault(plan.index, self.compressor.new_state(x.device)) for seq in batch.seqs
-        ]
+        states = self.compressor.states_of([s.compressors for s in batch.seqs], plan.index, x.device)
         latent, request, numbers = self.compressor.pool_batch(x, batch.bounds, states)
         positions = numbers * ratio
         entries = apply_rope(latent, positions, inv_freq)

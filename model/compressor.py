@@ -11,6 +11,7 @@ the entries of a one-shot pass.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -33,11 +34,14 @@ class Journal:
 
 @dataclass
 class CompressorState:
-    """One request: the op's state (its open window and overlap slice, row 0) and the tokens seen."""
+    """One request: the op's state (its open window and overlap slice, row 0) and the tokens seen; ``pending``
+    is row ``row`` of the batch state ``stack`` while the request stays in the same batch."""
 
     pending: CompressorStates
     num_tokens: int = 0
     journal: Journal | None = None
+    stack: CompressorStates | None = None
+    row: int = 0
 
     def speculate(self) -> None:
         """Journal the next calls, so that ``rollback`` can keep a prefix of their tokens."""
@@ -51,7 +55,7 @@ class CompressorState:
         journal, self.journal = self.journal, None
         if journal is None or journal.num_tokens + keep == self.num_tokens:
             return
-        self.pending, self.num_tokens = journal.saved, journal.num_tokens + keep
+        self.pending, self.num_tokens, self.stack = journal.saved, journal.num_tokens + keep, None
         if keep and journal.params is not None:
             kv = torch.cat(journal.kv)[:keep]
             gate = torch.cat(journal.gate)[:keep] if journal.gate else None
@@ -81,6 +85,12 @@ class Compressor(nn.Module):
     def new_state(self, device: torch.device) -> CompressorState:
         return CompressorState(CompressorStates.empty(1, self.ratio, self.dim, self.overlap, device))
 
+    def states_of(
+        self, owners: list[dict[int, CompressorState]], layer: int, device: torch.device
+    ) -> list[CompressorState]:
+        """Each request's state at ``layer`` (``owners``: the requests' states by layer); new if missing."""
+        return [o[layer] if layer in o else o.setdefault(layer, self.new_state(device)) for o in owners]
+
     def pool(
         self, x: torch.Tensor, state: CompressorState, inv_freq: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, int]:
@@ -103,41 +113,66 @@ class Compressor(nn.Module):
         Entries are rotated at their group's first position when ``inv_freq`` is given (V4), the
         un-rotated latents otherwise (V4.1 derives its index keys from them).
         """
-        r, device, n = self.ratio, x.device, len(states)
-        starts = torch.tensor([s.num_tokens for s in states], dtype=torch.int64)
-        lengths = torch.tensor([hi - lo for lo, hi in bounds], dtype=torch.int64)
-        firsts, counts = starts // r, (starts + lengths) // r - starts // r
-        # Host metadata: each token's position, and its entry's row in the output where it closes a group.
-        token_request = torch.repeat_interleave(torch.arange(n), lengths)
-        token_base, entry_base = lengths.cumsum(0) - lengths, counts.cumsum(0) - counts
-        positions = starts[token_request] + torch.arange(len(token_request)) - token_base[token_request]
-        row = entry_base[token_request] + (positions + 1) // r - 1 - firsts[token_request]
-        slots = torch.where((positions + 1) % r == 0, row, -1)
-        request = torch.repeat_interleave(torch.arange(n), counts)
-        numbers = firsts[request] + torch.arange(len(request)) - entry_base[request]
-        cu = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
-        meta = torch.cat([cu, starts, torch.arange(n), slots]).to(torch.int32).to(device)
-        batch = CompressBatch(
-            meta[: n + 1], meta[n + 1 : 2 * n + 1], meta[2 * n + 1 : 3 * n + 1], meta[3 * n + 1 :]
-        )
-        stacked = _stacked([s.pending for s in states])
+        starts = tuple(s.num_tokens for s in states)
+        lengths = tuple(hi - lo for lo, hi in bounds)
+        batch, request, numbers = _batch_meta(self.ratio, starts, lengths, x.device)
+        stacked = _batch_state(states)
         params = CompressorParams(
-            r, self.overlap, self.norm.weight, self.norm.eps, getattr(self, "ape", None), inv_freq
+            self.ratio, self.overlap, self.norm.weight, self.norm.eps, getattr(self, "ape", None), inv_freq
         )
-        kv, gate = self.wkv(x), self.wgate(x) if r > 1 else None
-        entries = torch.empty(len(request), self.dim, device=device)
+        kv, gate = self.wkv(x), self.wgate(x) if self.ratio > 1 else None
+        entries = torch.empty(len(request), self.dim, device=x.device)
         compress(kv, gate, batch, stacked, params, entries)
-        for b, (state, (lo, hi)) in enumerate(zip(states, bounds, strict=True)):
+        for state, (lo, hi) in zip(states, bounds, strict=True):
             if state.journal is not None:
                 state.journal.params = params
                 state.journal.kv.append(kv[lo:hi])
                 state.journal.gate.extend([] if gate is None else [gate[lo:hi]])
-            # Each request keeps its row of the stacked state: a view, no copy.
-            state.pending = CompressorStates(
-                *(None if t is None else t[b : b + 1] for t in vars(stacked).values())
-            )
             state.num_tokens += hi - lo
-        return entries, request.to(device), numbers.to(device)
+        return entries, request, numbers
+
+
+@functools.lru_cache(maxsize=16)
+def _batch_meta(
+    r: int, starts: tuple[int, ...], lengths: tuple[int, ...], device: torch.device
+) -> tuple[CompressBatch, torch.Tensor, torch.Tensor]:
+    """The op's batch of requests that have seen ``starts`` tokens and bring ``lengths`` more, with the
+    request and the number of each entry they close. Every compressor of a ratio in a step asks for the
+    same: cached (the tensors are only read)."""
+    n = len(starts)
+    start, length = torch.tensor(starts, dtype=torch.int64), torch.tensor(lengths, dtype=torch.int64)
+    firsts, counts = start // r, (start + length) // r - start // r
+    # Each token's position, and its entry's row in the output where it closes a group.
+    token_request = torch.repeat_interleave(torch.arange(n), length)
+    token_base, entry_base = length.cumsum(0) - length, counts.cumsum(0) - counts
+    positions = start[token_request] + torch.arange(len(token_request)) - token_base[token_request]
+    row = entry_base[token_request] + (positions + 1) // r - 1 - firsts[token_request]
+    slots = torch.where((positions + 1) % r == 0, row, -1)
+    request = torch.repeat_interleave(torch.arange(n), counts)
+    numbers = firsts[request] + torch.arange(len(request)) - entry_base[request]
+    cu = torch.cat([length.new_zeros(1), length.cumsum(0)])
+    meta = torch.cat([cu, start, torch.arange(n), slots]).to(torch.int32).to(device)
+    batch = CompressBatch(
+        meta[: n + 1], meta[n + 1 : 2 * n + 1], meta[2 * n + 1 : 3 * n + 1], meta[3 * n + 1 :]
+    )
+    return batch, request.to(device), numbers.to(device)
+
+
+def _batch_state(states: list[CompressorState]) -> CompressorStates:
+    """The requests' states as the rows of one, in order: the last call's when the requests are the same
+    (each request's state is a row view of it), else stacked anew."""
+    stack = states[0].stack
+    if (
+        stack is not None
+        and stack.buffer_kv.shape[0] == len(states)
+        and all(s.stack is stack and s.row == b for b, s in enumerate(states))
+    ):
+        return stack
+    stack = _stacked([s.pending for s in states])
+    for b, state in enumerate(states):
+        state.pending = CompressorStates(*(None if t is None else t[b : b + 1] for t in vars(stack).values()))
+        state.stack, state.row = stack, b
+    return stack
 
 
 def _stacked(states: list[CompressorStates]) -> CompressorStates:

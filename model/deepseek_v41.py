@@ -122,11 +122,10 @@ class DeepseekV41(nn.Module):
         """Each request's n-gram bucket ids, hashed with its look-back history."""
         if self.hasher is None:
             return None
-        parts = []
-        for seq, (lo, hi) in zip(batch.seqs, batch.bounds, strict=True):
-            buckets, seq.engram_history = self.hasher(ids[lo:hi], _history(seq.engram_history, ids.device))
-            parts.append(buckets)
-        return torch.cat(parts)
+        buckets, histories = self.hasher.batch(ids, batch.bounds, [s.engram_history for s in batch.seqs])
+        for seq, history in zip(batch.seqs, histories, strict=True):
+            seq.engram_history = history
+        return buckets
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head(self.norm(hidden)).float()

@@ -256,6 +256,29 @@ class EngramHasher:
         cids = self._extend(history, token_ids, dead)
         return engram_hash(cids, history.numel(), self.tables), cids[-self.history_len :]
 
+    def batch(
+        self, token_ids: torch.Tensor, bounds: list[tuple[int, int]], histories: list[torch.Tensor | None]
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """``__call__`` for the flat tokens of several requests (request i owns ``token_ids[lo:hi]`` of
+        ``bounds[i]`` and its look-back ``histories[i]``, None at its start), in one hash.
+
+        The requests' sequences (look-back, then tokens) are hashed as one, each after a dead id: a look-back
+        that crosses it hashes as pad, as before a request's first token."""
+        device = self.token_map.device
+        cids, separator = self.compress(token_ids), torch.full((1,), -1, dtype=torch.int64, device=device)
+        pieces, rows, ends, at = [], [], [], 0
+        for (lo, hi), history in zip(bounds, histories, strict=True):
+            history = separator[:0] if history is None else history.to(device, torch.int64)
+            pieces += [separator, history, cids[lo:hi]]
+            at += 1 + history.numel()
+            rows.append((at, at + hi - lo))
+            at += hi - lo
+            ends.append((max(at - hi + lo - history.numel(), at - self.history_len), at))
+        flat = torch.cat(pieces)
+        picked = torch.tensor([i for a, b in rows for i in range(a, b)], dtype=torch.int64, device=device)
+        buckets = engram_hash(flat, 0, self.tables)[picked]
+        return buckets, [flat[a:b] for a, b in ends]
+
     def advance(self, history: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         """The look-back after ``token_ids`` without hashing them (a speculative rollback's kept tokens)."""
         return self._extend(history, token_ids, None)[-self.history_len :]

@@ -40,7 +40,7 @@ class DenseLinear(nn.Linear):
     def grouped(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, G, in]``, group ``g`` projected by row block ``g`` of the weight: ``[T, G, out / G]``."""
         weight = self.weight.view(x.shape[1], -1, x.shape[-1])
-        return torch.einsum("tgi,goi->tgo", x, weight)
+        return torch.bmm(x.transpose(0, 1), weight.transpose(1, 2)).transpose(0, 1)  # one batched GEMM
 
 
 class PackedLinear(nn.Module, ABC):

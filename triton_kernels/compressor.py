@@ -232,6 +232,12 @@ def _check_ranges(batch: CompressBatch, states: CompressorStates | None, n: int,
         raise ValueError(f"slots: range [{s[9]}, {s[10]}] must lie in [-1, {num_slots}) (out rows)")
 
 
+def _ragged(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For ``counts[i]`` items of each owner i, flat: every item's owner and its index among its owner's."""
+    owner = torch.repeat_interleave(torch.arange(len(counts), device=counts.device), counts)
+    return owner, torch.arange(len(owner), device=counts.device) - (counts.cumsum(0) - counts)[owner]
+
+
 def compress_ref(
     kv: torch.Tensor,
     gate: torch.Tensor | None,
@@ -241,49 +247,65 @@ def compress_ref(
     out: torch.Tensor,
     out_scale: torch.Tensor | None = None,
 ) -> None:
-    r, c = params.ratio, params.norm_weight.numel()
-    cu, starts, ids = batch.cu_seqlens.tolist(), batch.start.tolist(), batch.state_ids.tolist()
-    for i, start in enumerate(starts):
-        rows = slice(cu[i], cu[i + 1])
-        seq_kv = kv[rows].float()
-        seq_z = gate[rows].float() if gate is not None else torch.zeros_like(seq_kv)  # one slot: weight 1
-        held, sid = start % r, ids[i]
+    # Every request at once: its sequence is its held rows then its new rows; the rows of its closed windows
+    # (gathered as ``[G, r, W]``) and of its open one are picked from the new and the buffered rows.
+    r, c, n = params.ratio, params.norm_weight.numel(), kv.shape[0]
+    cu, start, sid = batch.cu_seqlens.long(), batch.start.long(), batch.state_ids.long()
+    held = start % r if states is not None else torch.zeros_like(start)
+    total = held + cu.diff()
+    windows, first = total // r, start // r
+    buffered = (states.buffer_kv, states.buffer_gate) if states is not None else (kv.float()[:0, None],) * 2
+    all_kv = torch.cat([kv.float(), buffered[0].flatten(0, 1)])
+    # No gate (ratio 1): one slot of weight 1.
+    all_z = torch.cat([gate.float(), buffered[1].flatten(0, 1)]) if gate is not None else None
+
+    def source(req: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """Row of element k of request ``req``'s sequence: buffered row k of its state, or a new row."""
+        return torch.where(k < held[req], n + sid[req] * (r - 1) + k, cu[req] + k - held[req])
+
+    if states is not None:  # the open window: the sequence rows past the last closed one
+        keep_req, j = _ragged(total - windows * r)
+        tail = source(keep_req, windows[keep_req] * r + j)
+        states.buffer_kv[sid[keep_req], j] = all_kv[tail]
+        if all_z is not None:
+            states.buffer_gate[sid[keep_req], j] = all_z[tail]
+    win_req, w = _ragged(windows)
+    if not len(win_req):  # nothing closes: the overlap slices stay
+        return
+    rows = source(*_ragged(windows * r))
+    win_kv = all_kv.index_select(0, rows).view(-1, r, all_kv.shape[1])
+    win_z = all_z.index_select(0, rows).view_as(win_kv) if all_z is not None else torch.zeros_like(win_kv)
+    if params.ape is not None:
+        win_z = win_z + params.ape
+    if params.overlap:
+        # Slots [Ca of window g-1 | Cb of window g]: g-1 is the request's previous window of this call, or
+        # its state's overlap slice; before window 0 the Ca slots weigh 0 (the row after the slices).
+        g, slices = len(win_req), (states.overlap_kv, states.overlap_gate) if states is not None else ()
+        num_slices = slices[0].shape[0] if slices else 0
+        prev = torch.where(first[win_req] > 0, g + sid[win_req], g + num_slices)
+        prev = torch.where(w > 0, torch.arange(-1, g - 1, device=kv.device), prev)
+        prev_kv = torch.cat([win_kv[:, :, :c], *slices[:1], win_kv.new_zeros(1, r, c)])[prev]
+        prev_z = torch.cat([win_z[:, :, :c], *slices[1:], win_z.new_full((1, r, c), float("-inf"))])[prev]
         if states is not None:
-            seq_kv = torch.cat([states.buffer_kv[sid, :held], seq_kv])
-            seq_z = torch.cat([states.buffer_gate[sid, :held], seq_z])
-        first, windows = start // r, seq_kv.shape[0] // r
-        rest = windows * r
-        if states is not None:
-            states.buffer_kv[sid, : seq_kv.shape[0] - rest] = seq_kv[rest:]
-            states.buffer_gate[sid, : seq_kv.shape[0] - rest] = seq_z[rest:]
-        if windows == 0:  # nothing closes: the overlap slice stays
-            continue
-        win_kv = seq_kv[:rest].view(windows, r, -1)
-        win_z = seq_z[:rest].view(windows, r, -1)
-        if params.ape is not None:
-            win_z = win_z + params.ape
-        if params.overlap:
-            # Slots [Ca of window g-1 | Cb of window g]; before window 0 the Ca slots weigh 0.
-            prev_kv, prev_z = win_kv.new_zeros(1, r, c), win_z.new_full((1, r, c), float("-inf"))
-            if first > 0:
-                prev_kv, prev_z = states.overlap_kv[sid][None], states.overlap_gate[sid][None]
-            last_kv, last_z = win_kv[-1, :, :c].clone(), win_z[-1, :, :c].clone()
-            win_kv = torch.cat([torch.cat([prev_kv, win_kv[:-1, :, :c]]), win_kv[:, :, c:]], dim=1)
-            win_z = torch.cat([torch.cat([prev_z, win_z[:-1, :, :c]]), win_z[:, :, c:]], dim=1)
-            if states is not None:
-                states.overlap_kv[sid], states.overlap_gate[sid] = last_kv, last_z
-        entries = rms_norm_ref((win_kv * win_z.softmax(dim=1)).sum(dim=1), params.norm_weight, params.eps)
-        if params.inv_freq is not None:
-            positions = (first + torch.arange(windows, device=kv.device)) * r
-            entries = apply_rope_ref(entries, positions, params.inv_freq)
-        # Window first + w closes at the token of position (first + w + 1) * r - 1.
-        closing = cu[i] + (first + torch.arange(windows, device=kv.device) + 1) * r - 1 - start
-        slots = batch.slots[closing].long()
-        keep = slots >= 0
-        if out_scale is not None:
-            entries, scale = quantize_int8_ref(entries)
-            out_scale[slots[keep]] = scale[keep]
-        out[slots[keep]] = entries[keep].to(out.dtype)
+            closed = windows > 0
+            last = windows.cumsum(0)[closed] - 1
+            states.overlap_kv[sid[closed]], states.overlap_gate[sid[closed]] = (
+                win_kv[last, :, :c],
+                win_z[last, :, :c],
+            )
+        win_kv = torch.cat([prev_kv, win_kv[:, :, c:]], dim=1)
+        win_z = torch.cat([prev_z, win_z[:, :, c:]], dim=1)
+    entries = rms_norm_ref((win_kv * win_z.softmax(dim=1)).sum(dim=1), params.norm_weight, params.eps)
+    number = first[win_req] + w
+    if params.inv_freq is not None:
+        entries = apply_rope_ref(entries, number * r, params.inv_freq)
+    # Window g closes at the token of position (g + 1) * r - 1.
+    slots = batch.slots[cu[win_req] + (number + 1) * r - 1 - start[win_req]].long()
+    keep = slots >= 0
+    if out_scale is not None:
+        entries, scale = quantize_int8_ref(entries)
+        out_scale[slots[keep]] = scale[keep]
+    out[slots[keep]] = entries[keep].to(out.dtype)
 
 
 @triton.jit

@@ -57,6 +57,7 @@ MAX_DIM = 128
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16)
 _MAX_NUMEL = 2**31 - 1  # offsets are int32 inside the kernels
 _PLAIN, _SOURCE, _CONSUMER = 0, 1, 2
+_REF_CHUNK = 1 << 22  # elements of the reference's largest temporary
 
 
 @dataclass(frozen=True)
@@ -219,16 +220,25 @@ def _dequantised(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
 
 def indexer_logits_ref(queries: IndexQueries, pool: KeyPool) -> torch.Tensor:
     q = _dequantised(queries.q, queries.scale)
-    keys = _dequantised(pool.keys, pool.scale)
     bs, device = pool.block_size, q.device
+    t, heads, dim = q.shape
     j = torch.arange(pool.capacity, device=device)
-    slots = pool.block_table[:, j // bs].long() * bs + j % bs  # [R, capacity], negative when unused
-    logits = torch.full((q.shape[0], pool.capacity), float("-inf"), device=device)
-    for r in queries.request.unique().tolist():
-        tokens = queries.request == r
-        dots = torch.einsum("thd,jd->thj", q[tokens], keys[slots[r].clamp(min=0)])
-        logits[tokens] = (dots.relu() * queries.weights[tokens, :, None]).sum(dim=1)
-    return logits.masked_fill(j >= queries.visible[:, None], float("-inf"))
+    slots = pool.block_table[:, j // bs].long().clamp(min=0) * bs + j % bs  # [R, capacity]
+
+    def keys(at: torch.Tensor) -> torch.Tensor:
+        return _dequantised(pool.keys[at], None if pool.scale is None else pool.scale[at])
+
+    # The tokens of one request (a prefill) share its keys; otherwise each token gathers its request's.
+    shared = keys(slots[0]).T if slots.shape[0] == 1 and t > 1 else None
+    token_slots = slots[queries.request.long()] if shared is None else None
+    logits = torch.empty(t, pool.capacity, device=device)
+    # Tokens a chunk at a time, so that the [tokens, heads, keys] products stay small.
+    step = max(1, _REF_CHUNK // max(1, pool.capacity * max(heads, dim)))
+    for lo in range(0, t, step):
+        rows = slice(lo, lo + step)
+        dots = q[rows] @ (shared if shared is not None else keys(token_slots[rows]).transpose(1, 2))
+        logits[rows] = dots.relu_().mul_(queries.weights[rows, :, None]).sum(dim=1)
+    return logits.masked_fill_(j >= queries.visible[:, None], float("-inf"))
 
 
 def indexer_topk_ref(queries: IndexQueries, pool: KeyPool, k: int) -> torch.Tensor:

@@ -149,11 +149,12 @@ def hc_coeffs_ref(
     pre = torch.sigmoid(mu[:, :n] * scale[0] + base[:n]) + hc_eps
     post = 2 * torch.sigmoid(mu[:, n : 2 * n] * scale[1] + base[n : 2 * n])
     logits = (mu[:, 2 * n :] * scale[2] + base[2 * n :]).view(-1, n, n)
-    comb = torch.softmax(logits, dim=-1) + hc_eps
-    comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
+    comb = torch.softmax(logits, dim=-1).add_(hc_eps)
+    comb.div_(comb.sum(-2, keepdim=True).add_(hc_eps))
+    # In place: the iterations are many tiny ops, each allocation costs as much as the arithmetic.
     for _ in range(sinkhorn_iters - 1):
-        comb = comb / (comb.sum(-1, keepdim=True) + hc_eps)
-        comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
+        comb.div_(comb.sum(-1, keepdim=True).add_(hc_eps))
+        comb.div_(comb.sum(-2, keepdim=True).add_(hc_eps))
     return pre, post, comb
 
 

@@ -90,13 +90,27 @@ def check_candidate_geometry(block_size: int, topk_blocks: int) -> None:
 
 def topk_positions_ref(scores: torch.Tensor, k: int) -> torch.Tensor:
     t, n = scores.shape
-    canonical = torch.where(scores == 0, 0.0, scores)  # -0.0 ties with +0.0
-    # A stable descending sort keeps equal scores in position order: the lower position wins.
-    order = torch.sort(canonical, dim=1, descending=True, stable=True).indices[:, :k]
-    kept = canonical.gather(1, order) > float("-inf")
-    picked = torch.sort(torch.where(kept, order, n), dim=1).values
-    picked = torch.where(picked < n, picked, -1).to(torch.int32)
-    return torch.cat([picked, picked.new_full((t, k - picked.shape[1]), -1)], dim=1)
+    canonical = scores + 0.0  # -0.0 ties with +0.0 (-0.0 + 0.0 is +0.0)
+    kept = min(k, n)
+    picked = torch.full((t, k), -1, dtype=torch.int32, device=scores.device)
+    if not kept:
+        return picked
+    position = torch.arange(n, dtype=torch.int32, device=scores.device).expand(t, -1)
+
+    def lowest(chosen: torch.Tensor) -> torch.Tensor:
+        """The ``kept`` lowest positions where ``chosen``, ascending, ``n`` beyond the chosen ones."""
+        return torch.where(chosen, position, n).topk(kept, dim=1, largest=False).values
+
+    # Everything above the k-th largest score, then the lowest positions equal to it (the lower position
+    # wins ties): ``topk`` finds the values, positions are picked by value (its order among ties is free).
+    threshold = canonical.topk(kept, dim=1).values[:, -1:]
+    above, tied = canonical > threshold, canonical == threshold
+    room = kept - above.sum(dim=1, keepdim=True)
+    last_tied = lowest(tied).gather(1, (room - 1).clamp(min=0))
+    chosen = (above | (tied & (position <= last_tied) & (room > 0))) & (canonical > float("-inf"))
+    first = lowest(chosen)
+    picked[:, :kept] = torch.where(first < n, first, -1)
+    return picked
 
 
 def block_scores_ref(scores: torch.Tensor, visible: torch.Tensor, block_size: int) -> torch.Tensor:

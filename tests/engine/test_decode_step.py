@@ -75,6 +75,19 @@ def recorded(hook: HostReads, name: str, method):
     return run
 
 
+def watching(hook: TorchDispatchMode, forward):
+    """``forward`` with ``hook.active`` (a recording switch) set while it runs."""
+
+    def run(*args, **kwargs):
+        hook.active = True
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            hook.active = False
+
+    return run
+
+
 def decoding(arch: str, lengths: tuple[int, ...]) -> LLMEngine:
     """An engine whose requests have all prefilled: its next step decodes one token of each."""
     path = cached_tiny(arch)
@@ -93,18 +106,9 @@ def test_decode_step_forward_reads_nothing_back(arch: str, monkeypatch: pytest.M
     engine = decoding(arch, LENGTHS)
     model = engine.runner.model
     hook = HostReads()
-    forward = model.batch_forward
-
-    def watched(*args, **kwargs):
-        hook.active = True
-        try:
-            return forward(*args, **kwargs)
-        finally:
-            hook.active = False
-
     monkeypatch.setenv("DSV4_TRITON_ON_CPU", "1")
     monkeypatch.setattr(runtime, "check_ranges", lambda: False)
-    monkeypatch.setattr(model, "batch_forward", watched)
+    monkeypatch.setattr(model, "batch_forward", watching(hook, model.batch_forward))
     monkeypatch.setattr(torch.Tensor, "tolist", recorded(hook, "tolist", torch.Tensor.tolist))
     monkeypatch.setattr(torch.Tensor, "cpu", recorded(hook, "cpu", torch.Tensor.cpu))
     from triton.runtime.interpreter import GridExecutor
