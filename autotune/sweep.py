@@ -47,7 +47,9 @@ def sweep(op: str, cases: list[Case]) -> list[BucketSweep]:
     for case in cases:
         with tuning.recording() as launches:
             case.kernel()
-        plans.append((case, list(dict.fromkeys((launch.kernel, launch.bucket) for launch in launches))))
+        # The op's own kernels: another op's kernel a case launches on the way is swept with that op.
+        own = [(launch.kernel, launch.bucket) for launch in launches if launch.kernel.op == op]
+        plans.append((case, list(dict.fromkeys(own))))
     found: dict[tuple[str, str], BucketSweep] = {}
     total = sum(len(kernel.configs) for _, launched in plans for kernel, _ in launched)
     with Progress(total, op) as progress:

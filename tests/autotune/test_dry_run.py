@@ -49,6 +49,8 @@ def test_dry_run_sweeps_every_op_and_the_kernels_launch_its_choices(
                 with tuning.recording() as launches:
                     case.kernel()
                 for launch in launches:
+                    if launch.kernel.op != op:  # e.g. the rope pass of sparse attention: swept with rope
+                        continue
                     chosen = docs[op]["kernels"][launch.kernel.name][launch.bucket]["chosen"]
                     assert tuning.config_id(launch.config) == chosen, (case.name, launch.bucket)
                 launched += len(launches)
