@@ -82,7 +82,6 @@ def start_engine(args: argparse.Namespace, path: Path) -> LLMEngine:
     plan = plan_memory(path, dtype, quantization, **memory_budget(args))  # fails before any weight loads
     log.info(plan.line())
     model = load_model(path, dtype, device, quantization)
-    weight_bytes = plan.weight_bytes
     flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
     flags.update(kv_cache_memory=plan.kv_bytes, enable_prefix_caching=args.enable_prefix_caching is not False)
     config = EngineConfig(**flags)
@@ -96,7 +95,7 @@ def start_engine(args: argparse.Namespace, path: Path) -> LLMEngine:
             f"request of --max-model-len={args.max_model_len} needs {per_request}: raise --kv-cache-memory "
             "or lower --max-model-len"
         )
-    engine.weight_bytes = weight_bytes
+    engine.weight_bytes = plan.weight_bytes
     return engine
 
 
