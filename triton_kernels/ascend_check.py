@@ -259,6 +259,10 @@ def lower(
     raise AssertionError("unreachable")
 
 
+def _assignments(values: dict[str, int], sep: str = ",") -> str:
+    return sep.join(f"{k}={v}" for k, v in values.items())
+
+
 def _variant(signature: dict[str, str]) -> str:
     return "/".join(t[1:] for t in signature.values() if t.startswith("*"))
 
@@ -278,9 +282,9 @@ def check(
         )
     expected = "mix" if tuned.uses_cube else "aiv"
     for variant in tuned.variants:
-        fixed = ",".join(f"{k}={v}" for k, v in variant.constexprs.items())
+        fixed = _assignments(variant.constexprs)
         for index, config in enumerate(tuned.configs):
-            params = ",".join(f"{k}={v}" for k, v in {**variant.constexprs, **config.params}.items())
+            params = _assignments({**variant.constexprs, **config.params})
             for signature in variant.signatures:
                 for label, target, options in targets:
                     report.lowerings += 1
@@ -348,7 +352,7 @@ def launched_kernels(
     launches = []
     for entry in json.loads(path.read_text())["launches"]:
         tuned = by_name.get((entry["op"], entry["kernel"]))
-        fixed = ",".join(f"{k}={v}" for k, v in entry["constexprs"].items())
+        fixed = _assignments(entry["constexprs"])
         label = f"{entry['op']}.{entry['kernel']} launched by {'+'.join(entry['models'])} [{fixed}]"
         launches.append(
             (label, entry["op"], tuned and tuned.launched(entry["signature"], entry["constexprs"]))
@@ -392,7 +396,7 @@ def _print(report: Report) -> None:
     modes = "+".join(sorted(report.mix_modes)) or "-"
     print(f"{'FAIL' if report.errors else 'PASS'}  {report.label}  mix_mode={modes}  {report.where}")
     for index, config in enumerate(report.configs):
-        params = " ".join(f"{k}={v}" for k, v in config.params.items())
+        params = _assignments(config.params, " ")
         estimate = _kib(report.estimates[index]) if index in report.estimates else "-"
         flag = "  ! IR buffers exceed the declared footprint" if report.over_declared(index) else ""
         flag += "  OVER 80 % OF UB" if report.over_budget(index) else ""
