@@ -24,6 +24,12 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     prefix_page_size: int = 256  # tokens per cached page: a multiple of every compress ratio, >= the window
 
+    @property
+    def lookahead(self) -> int:
+        """KV positions past a sampling chunk that the named proposer's drafting writes, known before any
+        model is built: the MTP layer chains its drafts there (``MtpProposer.lookahead``), DSpark does not."""
+        return (self.num_speculative_tokens or 1) if self.speculative_method == "mtp" else 0
+
     def __post_init__(self) -> None:
         counts = ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "prefix_page_size")
         for name in counts:

@@ -21,8 +21,7 @@ from engine.spec_decode import build_proposer
 from engine.spec_decode.proposer import Observation, Proposer
 from engine.spec_decode.stats import SpecDecodeStats
 from model.cache import BoundaryState, SeqCache, cache_groups
-from model.deepseek_v4 import DeepseekV4
-from model.deepseek_v41 import DeepseekV41
+from model.causal_lm import CausalLM
 from triton_kernels.tuning import load_tuned_files
 
 log = logging.getLogger(__name__)
@@ -41,7 +40,7 @@ class Completion:
 class LLMEngine:
     def __init__(
         self,
-        model: DeepseekV4 | DeepseekV41,
+        model: CausalLM,
         tokenizer: Tokenizer,
         config: EngineConfig,
         proposer: Proposer | None = None,
@@ -69,7 +68,7 @@ class LLMEngine:
         self._arrivals = 0
 
     @staticmethod
-    def _prefix_cache(model: DeepseekV4 | DeepseekV41, config: EngineConfig) -> PrefixCache | None:
+    def _prefix_cache(model: CausalLM, config: EngineConfig) -> PrefixCache | None:
         if not config.enable_prefix_caching:
             return None
         cfg = model.cfg

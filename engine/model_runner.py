@@ -16,8 +16,7 @@ import torch
 from engine.kv_cache import KVCacheManager
 from engine.scheduler import ScheduledChunk
 from model.cache import Batch, KVPools, SeqCache
-from model.deepseek_v4 import DeepseekV4
-from model.deepseek_v41 import DeepseekV41
+from model.causal_lm import CausalLM
 
 
 @dataclass
@@ -27,7 +26,7 @@ class StepOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: DeepseekV4 | DeepseekV41, cache: KVCacheManager):
+    def __init__(self, model: CausalLM, cache: KVCacheManager):
         self.model, self.cache = model, cache
         weight = model.embed.weight
         self.device = weight.device

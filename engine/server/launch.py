@@ -17,7 +17,7 @@ import torch
 import uvicorn
 
 from engine.llm_engine import EngineConfig, LLMEngine
-from engine.memory_plan import plan_memory
+from engine.memory_plan import MemoryPlan, plan_memory
 from engine.server.api import MAX_REQUEST_BYTES, OpenAIServer
 from engine.server.app import build_app
 from engine.server.args import non_default
@@ -33,16 +33,17 @@ from triton_kernels import runtime
 log = logging.getLogger(__name__)
 
 
-def memory_budget(args: argparse.Namespace) -> dict:
-    """The launch flags ``plan_memory`` reads."""
+def memory_budget(args: argparse.Namespace, config: EngineConfig) -> dict:
+    """What ``plan_memory`` reads: the engine's limits and the share or bytes the flags give."""
     share = args.gpu_memory_utilization
     return {
-        "max_num_batched_tokens": args.max_num_batched_tokens,
-        "max_model_len": args.max_model_len,
-        "block_size": args.block_size,
-        "kv_cache_memory": None if share else args.kv_cache_memory or EngineConfig.kv_cache_memory,
+        "max_num_batched_tokens": config.max_num_batched_tokens,
+        "max_model_len": config.max_model_len,
+        "block_size": config.block_size,
+        "kv_cache_memory": None if share else config.kv_cache_memory,
         "gpu_memory_utilization": share,
         "device_bytes": runtime.memory_bytes() if share else None,
+        "lookahead": config.lookahead,
     }
 
 
@@ -61,7 +62,7 @@ def generation_defaults(args: argparse.Namespace, path: Path) -> dict[str, float
     return {k: raw[k] for k in GENERATION_FIELDS if isinstance(raw.get(k), int | float)}
 
 
-def start_engine(args: argparse.Namespace, path: Path) -> LLMEngine:
+def start_engine(args: argparse.Namespace, path: Path) -> tuple[LLMEngine, MemoryPlan]:
     cfg = ModelConfig.from_file(path)
     if args.max_model_len > cfg.max_position_embeddings:
         raise ValueError(
@@ -79,36 +80,15 @@ def start_engine(args: argparse.Namespace, path: Path) -> LLMEngine:
         )
     device, dtype = placement(args.device, args.dtype)
     quantization = "w8a8" if args.quantization == "w8a8" else "auto"
-    plan = plan_memory(path, dtype, quantization, **memory_budget(args))  # fails before any weight loads
+    flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
+    flags.update(kv_cache_memory=args.kv_cache_memory or EngineConfig.kv_cache_memory,
+                 enable_prefix_caching=args.enable_prefix_caching is not False)  # fmt: skip
+    config = EngineConfig(**flags)
+    plan = plan_memory(path, dtype, quantization, **memory_budget(args, config))  # before any weight loads
     log.info(plan.line())
     model = load_model(path, dtype, device, quantization)
-    flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
-    flags.update(kv_cache_memory=plan.kv_bytes, enable_prefix_caching=args.enable_prefix_caching is not False)
-    config = EngineConfig(**flags)
-    engine = LLMEngine(model, load_tokenizer(path), config)
-    per_request = engine.cache.max_blocks(
-        args.max_model_len + engine.lookahead, args.max_num_batched_tokens + engine.lookahead
-    )
-    if per_request > engine.cache.num_blocks:
-        raise ValueError(
-            f"the KV cache holds {engine.cache.num_blocks} blocks ({config.kv_cache_memory} bytes); one "
-            f"request of --max-model-len={args.max_model_len} needs {per_request}: raise --kv-cache-memory "
-            "or lower --max-model-len"
-        )
-    engine.weight_bytes = plan.weight_bytes
-    return engine
-
-
-def plan_line(engine: LLMEngine) -> str:
-    cache, cfg = engine.cache, engine.config
-    per_request = cache.max_blocks(
-        cfg.max_model_len + engine.lookahead, cfg.max_num_batched_tokens + engine.lookahead
-    )
-    return (
-        f"Memory: weights {engine.weight_bytes / 2**20:.1f} MiB, KV cache {cache.num_blocks} blocks x "
-        f"{cache.block_bytes} B = {cache.num_blocks * cache.block_bytes / 2**20:.1f} MiB; maximum "
-        f"concurrency at {cfg.max_model_len} tokens per request: {cache.num_blocks / per_request:.2f}x"
-    )
+    config = dataclasses.replace(config, kv_cache_memory=plan.kv_bytes)
+    return LLMEngine(model, load_tokenizer(path), config), plan
 
 
 def serve(args: argparse.Namespace, sock: socket.socket) -> None:
@@ -119,7 +99,7 @@ def serve(args: argparse.Namespace, sock: socket.socket) -> None:
     sys.setswitchinterval(0.001)
     path = Path(args.model) if args.model else cached_tiny("v41")
     try:
-        engine = start_engine(args, path)
+        engine, plan = start_engine(args, path)
         chat = select_chat_profile(engine.model.cfg.model_type, path, args.chat_encoding)
         names = args.served_model_name or [
             "deepseek-v4.1-tiny" if args.model is None else path.resolve().name
@@ -138,7 +118,7 @@ def serve(args: argparse.Namespace, sock: socket.socket) -> None:
     announce = "\n".join([
         f"deepseek-ascend {version('deepseek-ascend')}; non-default flags: {non_default(args) or 'none'}",
         f"Model on {engine.runner.device} in {engine.model.embed.weight.dtype}",
-        plan_line(engine),
+        plan.line(),
         f"Chat encoding: {chat.name}" + (" (--chat-encoding)" if args.chat_encoding else ""),
         f"Kernel configs for {runtime.sku()}: {kernels}",
         f"Serving {names[0]} from {path} at {url}/v1  (try: curl {url}/v1/models)",

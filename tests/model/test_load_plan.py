@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.config import EngineConfig
 from engine.kv_cache import KVCacheManager
 from engine.memory_plan import plan_memory
 from model.cache import cache_groups
@@ -45,3 +46,22 @@ def test_a_plan_that_cannot_hold_one_request_is_refused(fp8_dir):
         plan_memory(fp8_dir, torch.float32, "auto", kv_cache_memory=2**16, **SHAPE)
     with pytest.raises(ValueError, match=r"0.5 x 0.0 GiB less weights and activations; weights 0.0\d+ GiB"):
         plan_memory(fp8_dir, torch.float32, "auto", gpu_memory_utilization=0.5, device_bytes=2**22, **SHAPE)
+
+
+def test_the_plan_reserves_the_mtp_drafts_lookahead(fp8_dir):
+    """The server plans with the proposer's lookahead (known from the flags alone): a KV cache that holds
+    one request exactly is refused once the MTP drafts need positions past it."""
+    exact = plan_memory(fp8_dir, torch.float32, "auto", kv_cache_memory=2**24, **SHAPE)
+    fits = exact.blocks_per_request * exact.block_bytes
+    assert (
+        plan_memory(fp8_dir, torch.float32, "auto", kv_cache_memory=fits, **SHAPE).num_blocks
+        == fits // exact.block_bytes
+    )
+    mtp = EngineConfig(speculative_method="mtp", num_speculative_tokens=2)
+    assert (mtp.lookahead, EngineConfig(speculative_method="dspark").lookahead, EngineConfig().lookahead) == (
+        2,
+        0,
+        0,
+    )
+    with pytest.raises(ValueError, match=r"one request of max_model_len=1024 needs \d+ blocks"):
+        plan_memory(fp8_dir, torch.float32, "auto", kv_cache_memory=fits, lookahead=mtp.lookahead, **SHAPE)
