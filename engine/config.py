@@ -3,26 +3,39 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 SPECULATIVE_METHODS = ("mtp", "dspark")
 # vLLM's speculative method names and ours: vLLM calls the V4 MTP layer `deepseek_mtp` or `mtp`.
 SPECULATIVE_ALIASES = {"mtp": "mtp", "deepseek_mtp": "mtp", "dspark": "dspark"}
 
 
+def _flag(default: Any, help: str, **cli: Any) -> Any:
+    """An engine field and its server flag ``--field-name``: the help, and how the flag reads its value
+    (``unit``: ``tokens`` as 64k / ``bytes`` as 8GiB; ``choices``; ``unset``: the flag defaults to None,
+    meaning the field's default, so another flag can stand in for it)."""
+    return field(default=default, metadata={"help": help, **cli})
+
+
 @dataclass(frozen=True)
 class EngineConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 1024
-    max_model_len: int = 4096
-    block_size: int = 16
-    kv_cache_memory: int = 256 * 2**20  # bytes for the KV cache blocks
-    seed: int = 0
-    speculative_method: str | None = None  # "mtp" (V4 MTP layer) or "dspark" (DSpark stages)
-    num_speculative_tokens: int | None = None  # drafts per step; default: 1 for mtp, the DSpark block
-    dspark_min_confidence: float = 0.0  # verify the draft prefix whose confidence product stays above
-    enable_prefix_caching: bool = True
-    prefix_page_size: int = 256  # tokens per cached page: a multiple of every compress ratio, >= the window
+    """What the engine is built with; the server's flags are generated from these fields
+    (``engine.server.args``), so a field, its flag, its default and its check cannot drift apart."""
+
+    max_num_seqs: int = _flag(64, "requests scheduled together")
+    max_num_batched_tokens: int = _flag(1024, "tokens per step, prefill chunks and decodes", unit="tokens")
+    max_model_len: int = _flag(4096, "prompt + completion limit, e.g. 4096 or 64k", unit="tokens")
+    block_size: int = _flag(16, "tokens per KV block")
+    kv_cache_memory: int = _flag(256 * 2**20, "bytes for the KV cache, e.g. 8GiB or 268435456",
+                                 unit="bytes", unset=True)  # fmt: skip
+    seed: int = _flag(0, "seeds the requests that bring no seed")
+    speculative_method: str | None = _flag(None, "mtp (V4) or dspark (V4.1)", choices=SPECULATIVE_METHODS)
+    num_speculative_tokens: int | None = _flag(None, "drafts per step (default: 1 for mtp, the DSpark block)")
+    dspark_min_confidence: float = _flag(0.0, "verify DSpark drafts while their confidence product >= this")
+    enable_prefix_caching: bool = _flag(True, "reuse the KV of cached prompt prefixes, in pages")
+    prefix_page_size: int = _flag(256, "tokens per cached page: a multiple of every compress ratio, at least "
+                                  "the sliding window")  # fmt: skip
 
     @property
     def lookahead(self) -> int:

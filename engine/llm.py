@@ -21,7 +21,7 @@ from engine.llm_engine import LLMEngine
 from engine.request import Request, SamplingParams
 from model.chat import encode_messages
 from model.chat_profile import select_chat_profile
-from model.checkpoint import load_model, placement
+from model.checkpoint import load_model, loader_quantization, placement
 from model.tokenizer import load_tokenizer, prompt_ids
 
 Prompt = str | list[int] | dict[str, Any]
@@ -53,6 +53,7 @@ class LLM:
         tensor_parallel_size: int = 1,
         dtype: str | torch.dtype = "auto",
         device: str | None = None,
+        quantization: str | None = None,
         speculative_config: dict[str, Any] | None = None,
         chat_encoding: str | None = None,
         trust_remote_code: bool = False,
@@ -61,7 +62,9 @@ class LLM:
     ):
         """``engine_args`` are EngineConfig's fields (vLLM's names: ``max_model_len``, ``max_num_seqs``,
         ``max_num_batched_tokens``, ``block_size``, ``seed``, ...); ``dtype`` auto is bfloat16 on npu / cuda
-        and float32 on cpu, ``device`` defaults to the accelerator present; ``trust_remote_code`` and
+        and float32 on cpu, ``device`` defaults to the accelerator present, ``quantization`` is the
+        checkpoint's own format (``fp8``, ``ascend``; None: whatever it stores) or ``w8a8`` (requantise an FP8
+        checkpoint to int8 at load); ``trust_remote_code`` and
         ``enforce_eager`` are accepted as vLLM's and change nothing here."""
         if tensor_parallel_size != 1:
             raise ValueError(f"tensor_parallel_size={tensor_parallel_size}: one device for now (1)")
@@ -81,7 +84,7 @@ class LLM:
             from model.tiny import cached_tiny
 
             model = cached_tiny("v41")
-        built = load_model(model, compute_dtype, where)
+        built = load_model(model, compute_dtype, where, loader_quantization(model, quantization))
         self.engine = LLMEngine(built, load_tokenizer(model), EngineConfig(**engine_args))
         self.chat_profile = select_chat_profile(built.cfg.model_type, Path(model), chat_encoding)
 

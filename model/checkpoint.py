@@ -28,7 +28,7 @@ from model.causal_lm import CausalLM
 from model.config import ModelConfig
 from model.deepseek_v4 import DeepseekV4
 from model.deepseek_v41 import DeepseekV41
-from model.engram import compressed_token_map
+from model.engram import Engram, compressed_token_map
 from model.moe import MoE
 from model.quant import dequantize_fp4, dequantize_fp8
 from model.quant_linear import DenseLinear, Fp8Linear, Int8Linear, Mxfp4Linear
@@ -189,10 +189,20 @@ def check_description(path: str | Path, stored: dict[str, StoredTensor]) -> None
             raise ValueError(f"{name}: W8A8_DYNAMIC needs an int8 weight with a {W8A8_SCALE} sibling")
 
 
+def loader_quantization(path: str | Path, requested: str | None) -> str:
+    """vLLM's ``quantization`` argument -> the loader's mode: None or the checkpoint's own format (``fp8``;
+    ``ascend`` for msModelSlim) keeps it as stored; ``w8a8`` requantises an FP8 checkpoint to int8."""
+    q = ModelConfig.from_file(path).quantization_config
+    stored = "ascend" if (Path(path) / DESCRIPTION_FILE).exists() else (q or {}).get("quant_method")
+    if requested not in (None, stored) and (requested, stored) != ("w8a8", "fp8"):
+        raise ValueError(f"quantization={requested!r}: the checkpoint is stored as {stored or 'unquantized'}")
+    return "w8a8" if requested == "w8a8" else "auto"
+
+
 def build_model(cfg: ModelConfig, path: str | Path) -> CausalLM:
     """The model of ``cfg``, on ``meta``: V4.1 Engram needs the checkpoint's tokenizer."""
     token_map = None
-    if cfg.is_v41 and cfg.engram_layer_ids:
+    if cfg.is_v41 and cfg.engram:
         token_map, _ = compressed_token_map(load_tokenizer(path))
     with torch.device("meta"):
         return DeepseekV41(cfg, token_map) if cfg.is_v41 else DeepseekV4(cfg)
@@ -262,7 +272,8 @@ def pack_linears(
     model: nn.Module, stored: dict[str, StoredTensor], block: int | None, quantization: str
 ) -> None:
     """Swap, on ``meta``, each linear the checkpoint stores quantised for the packed layer that keeps it
-    so (``auto``) or for int8 W8A8 (``w8a8``); MXFP4 routed experts are stacked for ``moe_gemm``."""
+    so (``auto``) or for int8 W8A8 (``w8a8``); MXFP4 routed experts are stacked for ``moe_gemm``, and FP8
+    Engram tables stay FP8 (only the rows a step reads are decoded)."""
     if quantization == "dense":
         return
     for prefix, module in list(model.named_modules()):
@@ -270,6 +281,8 @@ def pack_linears(
             first = f"{prefix}.experts.0.w1.weight"
             if first in stored and stored_format(first, stored) == MXFP4:
                 module.pack_experts()
+        if isinstance(module, Engram) and stored_format(f"{prefix}.embed.weight", stored) == FP8:
+            module.pack_table(block)  # a lookup, not a GEMM: kept FP8 under w8a8 too
     for prefix, module in list(model.named_modules()):
         name = f"{prefix}.weight"
         if not isinstance(module, DenseLinear) or name not in stored:
@@ -284,7 +297,7 @@ def pack_linears(
         elif tuple(stored[sibling(name, SCALE)].shape) == (-(-shape[1] // block), -(-shape[0] // block)):
             packed = Fp8Linear(*shape, block)
         else:
-            continue  # per-row scales: only Engram tables have them, dequantised at load
+            continue  # FP8 with per-row scales on a linear: dequantised at load
         parent, _, leaf = prefix.rpartition(".")
         setattr(model.get_submodule(parent), leaf, packed)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import warnings
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +61,40 @@ _FIXED = {"attention_bias": False, "mlp_bias": False, "topk_method": "noaux_tc"}
 
 
 @dataclass(frozen=True)
+class DSparkConfig:
+    """The DSpark draft stages (model-spec §8.2), from the ``dspark_*`` keys: one stage per target layer."""
+
+    target_layer_ids: tuple[int, ...]
+    block_size: int
+    markov_rank: int
+    noise_token_id: int
+    n_routed_experts: int = 0  # 0: the backbone's
+    num_experts_per_tok: int = 0  # 0: the backbone's
+
+    def __post_init__(self) -> None:
+        ids = self.target_layer_ids
+        if list(ids) != sorted(set(ids)):
+            raise ValueError(f"config: dspark_target_layer_ids={list(ids)} must be sorted and unique")
+        for name in ("block_size", "markov_rank"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"config: dspark_{name}={getattr(self, name)} must be positive")
+        for name in ("n_routed_experts", "num_experts_per_tok"):
+            if getattr(self, name) < 0:
+                raise ValueError(
+                    f"config: dspark_{name}={getattr(self, name)} must be >= 0 (0: the backbone's)"
+                )
+
+
+# Nested sections: the dataclass, the prefix of its keys, the key whose non-empty list makes it present, and
+# the fields it takes from the model's own keys instead.
+_SECTIONS = {
+    "engram": (EngramConfig, "engram_", "layer_ids", {"hc_mult": "hc_mult", "hidden_size": "hidden_size",
+                                                       "norm_eps": "rms_norm_eps"}),
+    "dspark": (DSparkConfig, "dspark_", "target_layer_ids", {}),
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     model_type: str
     vocab_size: int
@@ -107,20 +141,8 @@ class ModelConfig:
     candidate_source_layer_id: int = -1
     candidate_topk_blocks: int = 0
     candidate_block_size: int = 0
-    engram_layer_ids: tuple[int, ...] = ()
-    engram_num_embeddings: tuple[int, ...] = ()
-    engram_max_ngram_size: int = 0
-    engram_vocab_size: int = 0
-    engram_n_heads: int = 0
-    engram_head_dim: int = 0
-    engram_pad_token_id: int = 2
-    engram_compressed_vocab_size: int = 0
-    dspark_block_size: int = 0
-    dspark_noise_token_id: int = -1
-    dspark_target_layer_ids: tuple[int, ...] = ()
-    dspark_markov_rank: int = 0
-    dspark_n_routed_experts: int = 0  # 0: the backbone's
-    dspark_num_experts_per_tok: int = 0
+    engram: EngramConfig | None = None  # from the engram_* keys (model-spec §6)
+    dspark: DSparkConfig | None = None  # from the dspark_* keys (model-spec §8.2)
     csa_ratio: int = 4  # V4 kinds by ratio, from transformers' compress_rates
     hca_ratio: int = 128
     quantization_config: dict[str, Any] | None = field(default=None, compare=False)
@@ -137,11 +159,17 @@ class ModelConfig:
     @property
     def is_dspark(self) -> bool:
         """DSpark draft stages (V4.1, V4-Flash-0731, V4-Pro-0813): told by the ``dspark_*`` keys."""
-        return bool(self.dspark_target_layer_ids)
+        return self.dspark is not None
 
     @property
     def num_draft_layers(self) -> int:
-        return _num_draft_layers(self.dspark_target_layer_ids, self.num_nextn_predict_layers)
+        return _num_draft_layers(self.dspark, self.num_nextn_predict_layers)
+
+    def is_engram_layer(self, layer: int) -> bool:
+        return self.engram is not None and layer in self.engram.layer_ids
+
+    def is_dspark_target(self, layer: int) -> bool:
+        return self.dspark is not None and layer in self.dspark.target_layer_ids
 
     @property
     def num_layers_with_draft(self) -> int:
@@ -152,7 +180,7 @@ class ModelConfig:
         return replace(
             self,
             num_nextn_predict_layers=0,
-            dspark_target_layer_ids=(),
+            dspark=None,
             compress_ratios=self.compress_ratios[: self.num_hidden_layers],
         )
 
@@ -198,8 +226,9 @@ def _parse(raw: dict[str, Any]) -> ModelConfig:
     csa, hca = _fold_transformers_fields(raw)
 
     known = {f.name: f for f in fields(ModelConfig)}
-    derived = {"csa_ratio", "hca_ratio"}
-    unknown = sorted(set(raw) - (set(known) - derived) - _METADATA - _TRANSLATED - set(_FIXED))
+    derived = {"csa_ratio", "hca_ratio", *_SECTIONS}
+    section_keys = {key for s in _SECTIONS.values() for key in _section_keys(s[0], s[1], s[3]).values()}
+    unknown = sorted(set(raw) - (set(known) - derived) - section_keys - _METADATA - _TRANSLATED - set(_FIXED))
     for key in unknown:  # a release may add metadata: say so, but serve
         warnings.warn(f"config field {key!r} is not known to this implementation; ignoring it", stacklevel=4)
     values: dict[str, Any] = {"csa_ratio": csa, "hca_ratio": hca}
@@ -211,6 +240,8 @@ def _parse(raw: dict[str, Any]) -> ModelConfig:
                 raise ValueError(f"config is missing the required field {name!r}")
             continue
         values[name] = _coerce(name, raw[name], f.type)
+    for name, section in _SECTIONS.items():
+        values[name] = _section(raw, *section)
     allowed = V41_RATIOS if model_type == "deepseek_v41" else (0, csa, hca)
     values["compress_ratios"] = _ratios(raw.get("compress_ratios"), values, allowed)
     values["rope_scaling"] = _yarn(raw.get("rope_scaling"))
@@ -293,6 +324,26 @@ def _coerce(name: str, value: Any, annotation: str) -> Any:
     return value
 
 
+def _section_keys(cls: type, prefix: str, model_keys: dict[str, str]) -> dict[str, str]:
+    """A section's fields and the config keys they are read from."""
+    return {f.name: model_keys.get(f.name, prefix + f.name) for f in fields(cls)}
+
+
+def _section(raw: dict[str, Any], cls: type, prefix: str, marker: str, model_keys: dict[str, str]) -> Any:
+    """The nested config ``cls`` read once from its prefixed keys (None when its ``marker`` list is absent
+    or empty), its own checks run; missing required keys are named."""
+    if not raw.get(prefix + marker):
+        return None
+    types = {f.name: f for f in fields(cls)}
+    values = {}
+    for name, key in _section_keys(cls, prefix, model_keys).items():
+        if key in raw:
+            values[name] = _coerce(key, raw[key], types[name].type)
+        elif types[name].default is MISSING:
+            raise ValueError(f"config is missing the required field {key!r} (with {prefix + marker})")
+    return cls(**values)
+
+
 def _ratios(value: Any, values: dict[str, Any], allowed: tuple[int, ...]) -> tuple[int, ...]:
     """The backbone's ratios then one 0 per draft layer (model-spec §14, open point 6): the list must
     cover the backbone, and every entry past it belongs to a draft layer, which is sliding-only."""
@@ -315,15 +366,13 @@ def _ratios(value: Any, values: dict[str, Any], allowed: tuple[int, ...]) -> tup
                 f"config field compress_ratios[{i}]={value[i]}: entries past num_hidden_layers={n_layers} "
                 "belong to draft layers, which must be sliding-only (0)"
             )
-    drafts = _num_draft_layers(
-        values.get("dspark_target_layer_ids", ()), values.get("num_nextn_predict_layers", 0)
-    )
+    drafts = _num_draft_layers(values["dspark"], values.get("num_nextn_predict_layers", 0))
     return tuple(value[:n_layers]) + (0,) * drafts
 
 
-def _num_draft_layers(dspark_targets: tuple[int, ...], num_nextn_predict_layers: int) -> int:
+def _num_draft_layers(dspark: DSparkConfig | None, num_nextn_predict_layers: int) -> int:
     """DSpark has one stage per target layer (V4 releases keep ``num_nextn_predict_layers: 1``)."""
-    return len(dspark_targets) if dspark_targets else num_nextn_predict_layers
+    return len(dspark.target_layer_ids) if dspark else num_nextn_predict_layers
 
 
 def _yarn(value: Any) -> Yarn | None:
@@ -421,11 +470,7 @@ def _validate(cfg: ModelConfig) -> None:
     if cfg.is_v41:
         _validate_v41(cfg, need)
     else:
-        v41_only = [
-            n
-            for n in ("kv_source_layer_ids", "index_source_layer_ids", "engram_layer_ids")
-            if getattr(cfg, n)
-        ]
+        v41_only = [n for n in ("kv_source_layer_ids", "index_source_layer_ids", "engram") if getattr(cfg, n)]
         need(not v41_only, f"{v41_only} are V4.1 fields, but model_type is {cfg.model_type!r}")
     q = cfg.quantization_config
     if q is not None:
@@ -443,12 +488,12 @@ def _validate(cfg: ModelConfig) -> None:
 def _validate_v41(cfg: ModelConfig, need: Callable[[bool, str], None]) -> None:
     """The V4.1 cross-field rules of model-spec §2."""
     n_layers, ratios = cfg.num_hidden_layers, cfg.compress_ratios
-    for name in (
-        "kv_source_layer_ids",
-        "index_source_layer_ids",
-        "engram_layer_ids",
-    ):
-        ids = getattr(cfg, name)
+    engram_ids = {"engram_layer_ids": cfg.engram.layer_ids} if cfg.engram else {}
+    for name, ids in {
+        "kv_source_layer_ids": cfg.kv_source_layer_ids,
+        "index_source_layer_ids": cfg.index_source_layer_ids,
+        **engram_ids,
+    }.items():
         need(list(ids) == sorted(set(ids)), f"{name}={list(ids)} must be sorted and unique")
         need(all(0 <= i < n_layers for i in ids), f"{name}={list(ids)} must lie in [0, {n_layers})")
     need(cfg.num_hash_layers == 0, f"num_hash_layers={cfg.num_hash_layers}: V4.1 has no hash-routed layers")
@@ -482,23 +527,11 @@ def _validate_v41(cfg: ModelConfig, need: Callable[[bool, str], None]) -> None:
             reach >= cfg.index_topk,
             f"(candidate_topk_blocks-1)*candidate_block_size+1={reach} is below index_topk={cfg.index_topk}",
         )
-    if cfg.engram_layer_ids:
+    if cfg.engram:  # the section checked its own fields (and the prime layout) when parsed
         need(
-            len(cfg.engram_num_embeddings) == len(cfg.engram_layer_ids),
-            f"engram_num_embeddings has {len(cfg.engram_num_embeddings)} entries for "
-            f"{len(cfg.engram_layer_ids)} engram_layer_ids",
+            0 <= cfg.engram.pad_token_id < cfg.vocab_size,
+            f"engram_pad_token_id={cfg.engram.pad_token_id} is outside the vocabulary [0, {cfg.vocab_size})",
         )
-        for name in ("engram_max_ngram_size", "engram_vocab_size", "engram_n_heads", "engram_head_dim",
-                     "engram_compressed_vocab_size"):  # fmt: skip
-            need(getattr(cfg, name) > 0, f"{name}={getattr(cfg, name)} must be positive with Engram layers")
-        need(
-            cfg.engram_max_ngram_size >= 2, f"engram_max_ngram_size={cfg.engram_max_ngram_size} must be >= 2"
-        )
-        need(
-            0 <= cfg.engram_pad_token_id < cfg.vocab_size,
-            f"engram_pad_token_id={cfg.engram_pad_token_id} is outside the vocabulary [0, {cfg.vocab_size})",
-        )
-        EngramConfig.from_dict(asdict(cfg))  # the prime layout must give engram_num_embeddings
     need(
         cfg.is_dspark or not cfg.num_nextn_predict_layers,
         f"num_nextn_predict_layers={cfg.num_nextn_predict_layers}: V4.1 draft layers are DSpark stages, "
@@ -507,19 +540,17 @@ def _validate_v41(cfg: ModelConfig, need: Callable[[bool, str], None]) -> None:
 
 
 def _validate_dspark(cfg: ModelConfig, need: Callable[[bool, str], None]) -> None:
-    """DSpark of either family (model-spec §8.2)."""
-    ids, n_layers = cfg.dspark_target_layer_ids, cfg.num_hidden_layers
-    need(list(ids) == sorted(set(ids)), f"dspark_target_layer_ids={list(ids)} must be sorted and unique")
+    """DSpark of either family (model-spec §8.2), against the backbone."""
+    dspark, n_layers = cfg.dspark, cfg.num_hidden_layers
+    ids = dspark.target_layer_ids
     need(
         all(0 <= i < n_layers for i in ids),
         f"dspark_target_layer_ids={list(ids)} must lie in [0, {n_layers})",
     )
-    need(cfg.dspark_block_size > 0, f"dspark_block_size={cfg.dspark_block_size} must be positive")
     need(
-        0 <= cfg.dspark_noise_token_id < cfg.vocab_size,
-        f"dspark_noise_token_id={cfg.dspark_noise_token_id} is outside [0, vocab_size={cfg.vocab_size})",
+        0 <= dspark.noise_token_id < cfg.vocab_size,
+        f"dspark_noise_token_id={dspark.noise_token_id} is outside [0, vocab_size={cfg.vocab_size})",
     )
-    need(cfg.dspark_markov_rank > 0, f"dspark_markov_rank={cfg.dspark_markov_rank} must be positive")
-    experts = cfg.dspark_n_routed_experts or cfg.n_routed_experts
-    top_k = cfg.dspark_num_experts_per_tok or cfg.num_experts_per_tok
+    experts = dspark.n_routed_experts or cfg.n_routed_experts
+    top_k = dspark.num_experts_per_tok or cfg.num_experts_per_tok
     need(top_k <= experts, f"dspark_num_experts_per_tok={top_k} exceeds dspark_n_routed_experts={experts}")

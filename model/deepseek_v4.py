@@ -122,7 +122,7 @@ class DeepseekV4(nn.Module):
         ``features`` collects DSpark's input, the mean of the streams entering each target layer."""
         x = self.embed(ids)[:, None, :].expand(-1, self.cfg.hc_mult, -1).contiguous()
         for i, layer in enumerate(self.layers):
-            if features is not None and i in self.cfg.dspark_target_layer_ids:
+            if features is not None and self.cfg.is_dspark_target(i):
                 features.append(x.float().mean(dim=1))
             x = layer(x, ids, batch, self.rope(layer.plan.rope))
         batch.advance()

@@ -7,7 +7,7 @@ its own layer's attention pre-mix; the final collapse uses the last FFN pre-mix 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -18,7 +18,7 @@ from model.block import MhcBlock, one_hot_premix
 from model.cache import Batch, SeqCache, SequenceState
 from model.config import ModelConfig
 from model.dspark import DSpark
-from model.engram import Engram, EngramConfig, EngramHasher
+from model.engram import Engram, EngramHasher
 from model.layers import RMSNorm, RopeFrequencies, check_token_ids, linear
 from model.plan import LayerPlan, build_plan
 from triton_kernels.mhc import hc_collapse, hc_update
@@ -33,10 +33,10 @@ class Forward41:
 
 
 class Block41(MhcBlock):
-    def __init__(self, cfg: ModelConfig, plan: LayerPlan, engram: EngramConfig | None):
+    def __init__(self, cfg: ModelConfig, plan: LayerPlan):
         super().__init__(cfg, plan, V41Attention(cfg, plan))
         if plan.engram:
-            self.engram = Engram(engram, plan.index)
+            self.engram = Engram(cfg.engram, plan.index)
 
     def forward(
         self,
@@ -62,9 +62,8 @@ class DeepseekV41(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.plan = build_plan(cfg)
-        self.engram_config = EngramConfig.from_dict(asdict(cfg)) if cfg.engram_layer_ids else None
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Block41(cfg, p, self.engram_config) for p in self.plan if not p.is_draft)
+        self.layers = nn.ModuleList(Block41(cfg, p) for p in self.plan if not p.is_draft)
         drafts = [p for p in self.plan if p.is_draft]
         self.mtp = DSpark(cfg, drafts) if drafts else None
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -77,11 +76,11 @@ class DeepseekV41(nn.Module):
     def init_buffers(self) -> None:
         """Rope tables and Engram hash tables (again once a model built on ``meta`` is materialised)."""
         self.rope.fill()
-        if self.engram_config is None or self.rope.main.is_meta:
+        if self.cfg.engram is None or self.rope.main.is_meta:
             return
         if self.token_map is None:
             raise ValueError("this V4.1 model has Engram layers: a tokenizer token map is required")
-        self.hasher = EngramHasher.build(self.engram_config, self.token_map, self.rope.main.device)
+        self.hasher = EngramHasher.build(self.cfg.engram, self.token_map, self.rope.main.device)
 
     def checkpoint_names(self) -> dict[str, tuple[int, ...]]:
         return {name: tuple(t.shape) for name, t in self.official_state().items()}
@@ -109,8 +108,8 @@ class DeepseekV41(nn.Module):
         published, features = Published(), []
         for i, layer in enumerate(self.layers):
             if layer.plan.engram:
-                x = layer.engram(x, buckets[:, cfg.engram_layer_ids.index(i)])
-            if i in cfg.dspark_target_layer_ids:
+                x = layer.engram(x, buckets[:, cfg.engram.layer_ids.index(i)])
+            if cfg.is_dspark_target(i):
                 features.append(x.float().mean(dim=1))
             x, carry = layer(x, carry, ids, batch, self.rope(layer.plan.rope), published)
         batch.advance()

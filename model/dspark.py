@@ -52,7 +52,7 @@ class MarkovHead(nn.Module):
         super().__init__()
         self.names = ("embed", "head") if cfg.is_v41 else ("markov_w1", "markov_w2")
         for name in self.names:
-            setattr(self, name, linear(cfg.dspark_markov_rank, cfg.vocab_size))
+            setattr(self, name, linear(cfg.dspark.markov_rank, cfg.vocab_size))
 
     def tables(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The embedding and output tables, fp32."""
@@ -64,13 +64,13 @@ class DSparkStage(MhcBlock):
         super().__init__(cfg, plan, SharedKVAttention(cfg, plan, head_norm=not cfg.is_v41))
         self.single_pass = cfg.is_v41
         if first:
-            self.main_proj = linear(len(cfg.dspark_target_layer_ids) * cfg.hidden_size, cfg.hidden_size)
+            self.main_proj = linear(len(cfg.dspark.target_layer_ids) * cfg.hidden_size, cfg.hidden_size)
             self.main_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if last:
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
             self.markov_head = MarkovHead(cfg)
             self.confidence_head = nn.Module()
-            self.confidence_head.proj = linear(cfg.hidden_size + cfg.dspark_markov_rank, 1)
+            self.confidence_head.proj = linear(cfg.hidden_size + cfg.dspark.markov_rank, 1)
             if not self.single_pass:
                 self.hc_head = HcHead(cfg)
 
@@ -145,8 +145,8 @@ class DSpark(nn.ModuleList):
         """Draft ``dspark_block_size`` tokens after each request's anchor (its token at position
         ``num_tokens``), every request in one pass per stage; ``sample(i, logits)`` picks request i's."""
         cfg, device = self.cfg, embed.weight.device
-        block, n = cfg.dspark_block_size, len(anchors)
-        ids = torch.full((n, block), cfg.dspark_noise_token_id, device=device)
+        block, n = cfg.dspark.block_size, len(anchors)
+        ids = torch.full((n, block), cfg.dspark.noise_token_id, device=device)
         ids[:, 0] = torch.tensor(anchors, device=device)
         ids = ids.flatten()
         offsets = torch.arange(block, device=device)

@@ -1,10 +1,11 @@
 """Engram (DeepSeek V4.1, model-spec §6): n-gram hash tables injected into the hc streams.
 
-``EngramConfig`` carries the ``engram_*`` fields and checks the prime bucket layout (§6.2) against
-``engram_num_embeddings``. ``compressed_token_map`` builds the normalised token map from a tokenizer and
-``EngramHasher`` turns token ids into bucket ids for every Engram layer (§6.3), carrying the request's last
-``N_max - 1`` compressed ids so chunked prefill and decode hash exactly like one-shot prefill. ``Engram`` is
-one layer's lookup and gated fusion (§6.4), mounted by the model as ``layers.N.engram``.
+``EngramConfig`` is the model config's ``engram`` section (its ``engram_*`` keys) and checks the prime
+bucket layout (§6.2) against ``engram_num_embeddings``. ``compressed_token_map`` builds the normalised token
+map from a tokenizer and ``EngramHasher`` turns token ids into bucket ids for every Engram layer (§6.3),
+carrying the request's last ``N_max - 1`` compressed ids so chunked prefill and decode hash exactly like
+one-shot prefill. ``Engram`` is one layer's lookup and gated fusion (§6.4), mounted by the model as
+``layers.N.engram``.
 """
 
 from __future__ import annotations
@@ -12,18 +13,17 @@ from __future__ import annotations
 import functools
 import re
 import unicodedata
-from collections.abc import Mapping
 from dataclasses import dataclass
 from itertools import accumulate
-from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from tokenizers import Tokenizer
 from torch import nn
 
+from model.quant_linear import DenseLinear
 from triton_kernels.engram import HashTables, engram_gather, engram_hash, hash_tables
+from triton_kernels.quant_matmul import decode_e4m3, decode_e8m0
 
 _SEED_PRIME = 10007
 _INT64_MAX = 2**63 - 1
@@ -97,11 +97,11 @@ class EngramConfig:
     vocab_size: int  # the prime search start
     n_heads: int
     head_dim: int
-    pad_token_id: int
     compressed_vocab_size: int
-    hc_mult: int
+    hc_mult: int  # the model's hc_mult, hidden_size and rms_norm_eps
     hidden_size: int
     norm_eps: float
+    pad_token_id: int = 2
 
     def __post_init__(self) -> None:
         ids = self.layer_ids
@@ -131,37 +131,6 @@ class EngramConfig:
                     f"engram_num_embeddings[{slot}]: {rows} != {self.layout.rows[slot]}, the sum of the "
                     f"primes of layer {layer}"
                 )
-
-    @classmethod
-    def from_dict(cls, text_config: Mapping[str, Any]) -> EngramConfig:
-        """From a V4.1 ``text_config`` (the official ``engram_pad_id`` is accepted for the pad id)."""
-        cfg = dict(text_config)
-        if "engram_pad_token_id" not in cfg and "engram_pad_id" in cfg:
-            cfg["engram_pad_token_id"] = cfg["engram_pad_id"]
-        keys = {
-            "layer_ids": "engram_layer_ids",
-            "num_embeddings": "engram_num_embeddings",
-            "max_ngram_size": "engram_max_ngram_size",
-            "vocab_size": "engram_vocab_size",
-            "n_heads": "engram_n_heads",
-            "head_dim": "engram_head_dim",
-            "pad_token_id": "engram_pad_token_id",
-            "compressed_vocab_size": "engram_compressed_vocab_size",
-            "hc_mult": "hc_mult",
-            "hidden_size": "hidden_size",
-            "norm_eps": "rms_norm_eps",
-        }
-        missing = [key for key in keys.values() if key not in cfg]
-        if missing:
-            raise ValueError(f"config: missing {', '.join(missing)}")
-        values = {field: cfg[key] for field, key in keys.items()}
-        return cls(
-            **{
-                **values,
-                "layer_ids": tuple(values["layer_ids"]),
-                "num_embeddings": tuple(values["num_embeddings"]),
-            }
-        )
 
     @property
     def cols(self) -> int:
@@ -290,16 +259,41 @@ class EngramHasher:
 
 
 class _Table(nn.Module):
+    """The bucket table as the model computes in (bf16 / fp32)."""
+
     def __init__(self, rows: int, dim: int):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(rows, dim))
+
+    def lookup(self, ids: torch.Tensor, device: torch.device) -> torch.Tensor:
+        return engram_gather(self.weight, ids, device)
+
+
+class Fp8Table(nn.Module):
+    """The bucket table as the release stores it: E4M3 ``weight [rows, d]`` with one E8M0 ``scale`` per
+    ``block`` columns of each row. Only the rows a step reads are decoded (integer ops, no fp8 dtype
+    needed), on the device that computes; the table itself stays packed, on the host or the device."""
+
+    def __init__(self, rows: int, dim: int, block: int):
+        super().__init__()
+        self.block = block
+        self.register_buffer("weight", torch.empty(rows, dim, dtype=torch.float8_e4m3fn))
+        self.register_buffer("scale", torch.empty(rows, -(-dim // block), dtype=torch.float8_e8m0fnu))
+
+    def lookup(self, ids: torch.Tensor, device: torch.device) -> torch.Tensor:
+        flat, dim = ids.reshape(-1).to(self.weight.device, torch.int64), self.weight.shape[1]
+        codes = self.weight.view(torch.uint8).index_select(0, flat).to(device, non_blocking=True)
+        scales = self.scale.view(torch.uint8).index_select(0, flat).to(device, non_blocking=True)
+        rows = decode_e4m3(codes) * decode_e8m0(scales).repeat_interleave(self.block, 1)[:, :dim]
+        return rows.view(*ids.shape, dim)
 
 
 class Engram(nn.Module):
     """One Engram layer (model-spec §6.4): ``embed.weight``, ``wkv.weight``, ``q_weight``, ``k_weight``.
 
     ``embed.weight`` may stay in host memory (pinned) while the rest lives on the device: the lookup
-    gathers on the host and copies only the rows it needs (``triton_kernels.engram.engram_gather``).
+    gathers on the host and copies only the rows it needs (``triton_kernels.engram.engram_gather``). The
+    loader swaps in an ``Fp8Table`` and a packed ``wkv`` where the checkpoint stores them FP8.
     """
 
     def __init__(self, config: EngramConfig, layer_id: int):
@@ -308,10 +302,16 @@ class Engram(nn.Module):
             raise ValueError(f"layer_id: {layer_id} is not one of engram_layer_ids {list(config.layer_ids)}")
         n, d = config.hc_mult, config.hidden_size
         self.cols, self.eps = config.cols, config.norm_eps
-        self.embed = _Table(config.num_embeddings[config.layer_ids.index(layer_id)], config.head_dim)
-        self.wkv = nn.Linear(config.cols * config.head_dim, (n + 1) * d, bias=False)
+        self.embed: _Table | Fp8Table = _Table(
+            config.num_embeddings[config.layer_ids.index(layer_id)], config.head_dim
+        )
+        self.wkv = DenseLinear(config.cols * config.head_dim, (n + 1) * d)
         self.q_weight = nn.Parameter(torch.empty(n, d))
         self.k_weight = nn.Parameter(torch.empty(n, d))
+
+    def pack_table(self, block: int) -> None:
+        """Hold the bucket table as stored FP8 bytes (the loader calls it on ``meta``)."""
+        self.embed = Fp8Table(*self.embed.weight.shape, block)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, dead: torch.Tensor | None = None) -> torch.Tensor:
         """``x`` [S, n, D] streams, ``ids`` [S, cols] this layer's bucket ids, ``dead`` [S] bool -> like x."""
@@ -323,8 +323,7 @@ class Engram(nn.Module):
             raise ValueError(f"ids: shape {tuple(ids.shape)} must be ({s}, {self.cols})")
         if dead is not None and (dead.dtype != torch.bool or dead.shape != (s,)):
             raise ValueError(f"dead: {dead.dtype} {tuple(dead.shape)} must be bool ({s},)")
-        rows = engram_gather(self.embed.weight, ids, x.device).flatten(1)
-        kv = F.linear(rows.to(self.wkv.weight.dtype), self.wkv.weight).float()
+        kv = self.wkv(self.embed.lookup(ids, x.device).flatten(1).to(x.dtype)).float()
         key, val = kv[:, : n * d].view(s, n, d), kv[:, n * d :]
         xf = x.float()
         dot = (xf * self.q_weight.float() * self.k_weight.float() * key).sum(-1)

@@ -11,16 +11,16 @@ from pathlib import Path
 
 import torch
 
+from model.causal_lm import CausalLM
 from model.chat import encode_messages
 from model.chat_profile import PROFILES, select_chat_profile
-from model.checkpoint import DEVICES, load_model, placement
-from model.deepseek_v4 import DeepseekV4
+from model.checkpoint import DEVICES, load_model, loader_quantization, placement
 from model.tiny import ARCHS, cached_tiny
 from model.tokenizer import load_tokenizer, prompt_ids
 
 
 @torch.no_grad()
-def greedy(model: DeepseekV4, prompt: list[int], max_new_tokens: int, use_cache: bool = True) -> list[int]:
+def greedy(model: CausalLM, prompt: list[int], max_new_tokens: int, use_cache: bool = True) -> list[int]:
     """Greedy tokens after ``prompt``; stops early at EOS.
 
     ``use_cache=False`` recomputes the whole sequence every step (the cache-free path).
@@ -51,15 +51,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", choices=DEVICES, help="default: the accelerator present, else cpu")
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                         help="auto: bfloat16 on npu / cuda, float32 on cpu")  # fmt: skip
+    parser.add_argument("--quantization", choices=["fp8", "ascend", "w8a8"],
+                        help="the stored format, or w8a8: requantise an fp8 checkpoint at load")  # fmt: skip
     parser.add_argument("--chat", action="store_true", help="send the prompt as a user message, chat-encoded")
     parser.add_argument("--chat-encoding", choices=PROFILES, help="with --chat: override the checkpoint's")
     args = parser.parse_args(argv)
     path = Path(args.model) if args.model else cached_tiny(args.arch)
     try:
         device, dtype = placement(args.device, args.dtype)
+        quantization = loader_quantization(path, args.quantization)
     except ValueError as err:
         parser.error(str(err))
-    model = load_model(path, dtype, device)
+    model = load_model(path, dtype, device, quantization)
     tokenizer = load_tokenizer(path / "tokenizer.json")
     if args.chat:
         profile = select_chat_profile(model.cfg.model_type, path, args.chat_encoding)

@@ -74,8 +74,8 @@ def _experts(cfg: ModelConfig, is_draft: bool) -> tuple[int, int]:
     """Routed experts and top-k: DSpark stages may have their own (absent: the backbone's)."""
     if is_draft and cfg.is_dspark:
         return (
-            cfg.dspark_n_routed_experts or cfg.n_routed_experts,
-            cfg.dspark_num_experts_per_tok or cfg.num_experts_per_tok,
+            cfg.dspark.n_routed_experts or cfg.n_routed_experts,
+            cfg.dspark.num_experts_per_tok or cfg.num_experts_per_tok,
         )
     return cfg.n_routed_experts, cfg.num_experts_per_tok
 
@@ -108,7 +108,7 @@ def _v41_layer(cfg: ModelConfig, i: int) -> LayerPlan:
         is_draft=is_draft,
         n_experts=experts,
         top_k=top_k,
-        engram=i in cfg.engram_layer_ids,
+        engram=cfg.is_engram_layer(i),
     )
     if ratio == 0 or is_draft:
         return LayerPlan(**plan)

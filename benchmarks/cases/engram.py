@@ -14,24 +14,20 @@ import torch
 from benchmarks.cases.case import Case, elements_bytes
 from benchmarks.workload import Phase
 from model.config import ModelConfig
-from model.engram import bucket_layout, multipliers
+from model.engram import multipliers
 from triton_kernels import engram
 
 _MAX_ROWS = 2**20
 
 
 def engram_cases(cfg: ModelConfig, phase: Phase, dev: torch.device, dtype: torch.dtype) -> list[Case]:
-    if not cfg.engram_layer_ids:
+    if cfg.engram is None:
         return []
     gen = torch.Generator(device=dev).manual_seed(0)
-    layers, n_max, vocab = (
-        len(cfg.engram_layer_ids),
-        cfg.engram_max_ngram_size,
-        cfg.engram_compressed_vocab_size,
-    )
-    layout = bucket_layout(layers, n_max, cfg.engram_n_heads, cfg.engram_vocab_size)
+    e = cfg.engram
+    layers, n_max, vocab, layout = len(e.layer_ids), e.max_ngram_size, e.compressed_vocab_size, e.layout
     tables = engram.hash_tables(
-        [multipliers(layer, n_max, vocab) for layer in cfg.engram_layer_ids],
+        [multipliers(layer, n_max, vocab) for layer in e.layer_ids],
         layout.primes,
         layout.offsets,
         0,
@@ -42,7 +38,7 @@ def engram_cases(cfg: ModelConfig, phase: Phase, dev: torch.device, dtype: torch
     cids = torch.randint(0, vocab, (history + phase.total,), generator=gen, device=dev)
     ids = engram.engram_hash_ref(cids, history, tables)
     rows = min(layout.rows[0], _MAX_ROWS)
-    table = torch.randn(rows, cfg.engram_head_dim, generator=gen, device=dev).to(dtype)
+    table = torch.randn(rows, e.head_dim, generator=gen, device=dev).to(dtype)
     row_ids = ids[:, 0] % rows  # the first layer's columns
     gathered = engram.engram_gather_ref(table, row_ids)
     limbs = phase.total * layers * n_max * 3 * 4

@@ -10,6 +10,7 @@ the long flag names); the command line wins over the file.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -19,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from engine.config import SPECULATIVE_ALIASES, SPECULATIVE_METHODS, EngineConfig
+from engine.config import SPECULATIVE_ALIASES, EngineConfig
 from model.chat_profile import PROFILES
 
 # vLLM's names for the DeepSeek V4 tokenizer, tool-call and reasoning parsers: all built in here.
@@ -82,8 +83,6 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--quantization", "-q",
                        help="the checkpoint's own format (fp8; ascend: msModelSlim W8A8), kept packed; or "
                        "w8a8: requantise an fp8 checkpoint to int8 W8A8 at load (Ascend A2/A3)")  # fmt: skip
-    model.add_argument("--max-model-len", type=parse_count, default=EngineConfig.max_model_len,
-                       help="prompt + completion limit, e.g. 4096 or 64k (default: 4096)")  # fmt: skip
     model.add_argument("--generation-config", default="auto",
                        help="auto: sampling defaults from the model's generation_config.json; vllm: none; "
                        "or a folder holding one")  # fmt: skip
@@ -94,25 +93,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--enable-auto-tool-choice", action="store_true", help="accepted: tool_choice=auto works"
     )
 
-    cache = p.add_argument_group("scheduling and cache")
-    cache.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
-    cache.add_argument(
-        "--max-num-batched-tokens", type=parse_count, default=EngineConfig.max_num_batched_tokens
-    )
-    cache.add_argument("--block-size", type=int, default=EngineConfig.block_size, help="tokens per KV block")
-    cache.add_argument("--kv-cache-memory", type=parse_size,
-                       help="bytes for the KV cache, e.g. 8GiB (default: 256MiB)")  # fmt: skip
+    _engine_flags(p.add_argument_group("engine (EngineConfig's fields)"))
+    cache = p.add_argument_group("cache")
     cache.add_argument("--gpu-memory-utilization", type=float,
                        help="the share of the device's memory for weights and the KV cache (instead of "
                        "--kv-cache-memory)")  # fmt: skip
     cache.add_argument("--kv-cache-dtype", default="auto", help="auto only (the model's own cache formats)")
-    cache.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
-                       help="reuse the KV of cached prompt prefixes, in pages (default: on)")  # fmt: skip
-    cache.add_argument("--prefix-page-size", type=int, default=EngineConfig.prefix_page_size,
-                       help="tokens per cached page: a multiple of every compress ratio, at least the "
-                       "sliding window")  # fmt: skip
     cache.add_argument("--enforce-eager", action="store_true", help="accepted: no graphs are captured")
-    cache.add_argument("--seed", type=int, default=0, help="seeds the requests that bring no seed")
 
     parallel = p.add_argument_group("parallelism (one device for now)")
     for name, short in (("tensor", "tp"), ("data", "dp"), ("pipeline", "pp")):
@@ -125,14 +112,6 @@ def build_parser() -> argparse.ArgumentParser:
         type=json.loads,
         help='JSON, e.g. {"method": "mtp", "num_speculative_tokens": 1}',
     )
-    spec.add_argument("--speculative-method", choices=SPECULATIVE_METHODS, help="mtp (V4) or dspark (V4.1)")
-    spec.add_argument(
-        "--num-speculative-tokens",
-        type=int,
-        help="drafts per step (default: 1 for mtp, the block for dspark)",
-    )
-    spec.add_argument("--dspark-min-confidence", type=float, default=0.0,
-                      help="verify the DSpark drafts whose confidence product stays >= this")  # fmt: skip
 
     server = p.add_argument_group("server")
     server.add_argument("--max-request-bytes", type=parse_size,
@@ -149,6 +128,29 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the server's own logging (default: info)")  # fmt: skip
     server.add_argument("--torch-threads", type=int, help="torch CPU threads (default: torch's choice)")
     return p
+
+
+_UNITS = {"tokens": parse_count, "bytes": parse_size}
+_TYPES = {"int": int, "float": float, "str": str}
+
+
+def _engine_flags(group: argparse._ArgumentGroup) -> None:
+    """One flag per ``EngineConfig`` field, as its metadata says (``engine.config._flag``)."""
+    for f in dataclasses.fields(EngineConfig):
+        meta, flag = f.metadata, "--" + f.name.replace("_", "-")
+        default = None if meta.get("unset") else f.default
+        shown = f"{meta['help']} (default: {f.default})" if f.default is not None else meta["help"]
+        if f.type == "bool":
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=shown)
+            continue
+        parse = _UNITS[meta["unit"]] if "unit" in meta else _TYPES[f.type.split(" ")[0]]
+        group.add_argument(flag, type=parse, default=default, choices=meta.get("choices"), help=shown)
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine's configuration from the flags (an unset flag leaves the field's default)."""
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
+    return EngineConfig(**{k: v for k, v in given.items() if v is not None})
 
 
 def _yaml_flags(path: str) -> list[str]:

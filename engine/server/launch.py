@@ -20,11 +20,11 @@ from engine.llm_engine import EngineConfig, LLMEngine
 from engine.memory_plan import MemoryPlan, plan_memory
 from engine.server.api import MAX_REQUEST_BYTES, OpenAIServer
 from engine.server.app import build_app
-from engine.server.args import non_default
+from engine.server.args import engine_config, non_default
 from engine.server.protocol import GENERATION_FIELDS
 from engine.server.shutdown import FLUSH_TIMEOUT, GracefulServer
 from model.chat_profile import select_chat_profile
-from model.checkpoint import DESCRIPTION_FILE, load_model, placement
+from model.checkpoint import load_model, loader_quantization, placement
 from model.config import ModelConfig
 from model.tiny import cached_tiny
 from model.tokenizer import load_tokenizer
@@ -69,21 +69,9 @@ def start_engine(args: argparse.Namespace, path: Path) -> tuple[LLMEngine, Memor
             f"--max-model-len={args.max_model_len} exceeds the model's max_position_embeddings="
             f"{cfg.max_position_embeddings}"
         )
-    stored = (
-        "ascend"
-        if (path / DESCRIPTION_FILE).exists()
-        else (cfg.quantization_config or {}).get("quant_method")
-    )
-    if args.quantization not in (None, stored) and (args.quantization, stored) != ("w8a8", "fp8"):
-        raise ValueError(
-            f"--quantization={args.quantization}: the checkpoint is stored as {stored or 'unquantized'}"
-        )
     device, dtype = placement(args.device, args.dtype)
-    quantization = "w8a8" if args.quantization == "w8a8" else "auto"
-    flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
-    flags.update(kv_cache_memory=args.kv_cache_memory or EngineConfig.kv_cache_memory,
-                 enable_prefix_caching=args.enable_prefix_caching is not False)  # fmt: skip
-    config = EngineConfig(**flags)
+    quantization = loader_quantization(path, args.quantization)
+    config = engine_config(args)
     plan = plan_memory(path, dtype, quantization, **memory_budget(args, config))  # before any weight loads
     log.info(plan.line())
     model = load_model(path, dtype, device, quantization)

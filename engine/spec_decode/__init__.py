@@ -38,7 +38,7 @@ def build_proposer(
     if method == "mtp":
         return MtpProposer(model, pools, sampler, k or 1), k or 1
     if method == "dspark":
-        k = k or model.cfg.dspark_block_size
+        k = k or model.cfg.dspark.block_size
         return DSparkProposer(model, sampler, k, config.dspark_min_confidence), k
     return None, 0
 

@@ -25,7 +25,7 @@ class DSparkProposer(Proposer):
             raise ValueError(
                 "speculative method 'dspark' needs a checkpoint with DSpark stages (dspark_* keys)"
             )
-        block = model.cfg.dspark_block_size
+        block = model.cfg.dspark.block_size
         if not 1 <= num_tokens <= block:
             raise ValueError(
                 f"num_speculative_tokens={num_tokens} must be in [1, {block}] (dspark_block_size)"

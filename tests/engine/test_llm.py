@@ -9,7 +9,8 @@ from engine.llm import LLM
 from engine.request import SamplingParams
 from model.chat import encode_messages
 from model.generate import greedy
-from model.tiny import cached_tiny
+from model.quant_linear import Int8Linear
+from model.tiny import cached_tiny, write_tiny
 from model.tokenizer import prompt_ids
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
@@ -62,11 +63,23 @@ def test_chat_renders_with_the_checkpoints_encoding(llm: LLM):
     ("kwargs", "named"),
     [({"tensor_parallel_size": 2}, "tensor_parallel_size=2"), ({"dtype": "float16"}, "dtype='float16'"),
      ({"device": "tpu"}, "device='tpu'"),
-     ({"max_batch": 3}, "max_batch"), ({"speculative_config": {"method": "eagle"}}, "speculative_config")],
+     ({"max_batch": 3}, "max_batch"), ({"quantization": "ascend"}, "quantization='ascend'.*unquantized"),
+     ({"speculative_config": {"method": "eagle"}}, "speculative_config")],
 )  # fmt: skip
 def test_unsupported_engine_arguments_are_errors(kwargs: dict, named: str):
     with pytest.raises(ValueError, match=named):
         LLM(model=cached_tiny("v41"), **kwargs)
+
+
+def test_quantization_w8a8_requantises_an_fp8_checkpoint(tmp_path):
+    """vLLM's ``quantization`` argument: ``w8a8`` serves an FP8 checkpoint's linears as int8 W8A8."""
+    fp8 = write_tiny(tmp_path / "fp8", arch="v41", fp8=True)
+    llm = LLM(model=fp8, quantization="w8a8", max_model_len=256, kv_cache_memory=16 * 2**20)
+    assert isinstance(llm.engine.model.layers[0].attn.wq_a, Int8Linear)
+    [result] = llm.generate("Hello", SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
+    assert result.outputs[0].token_ids == greedy(llm.engine.model, result.prompt_token_ids, 4)
+    with pytest.raises(ValueError, match="quantization='ascend': the checkpoint is stored as fp8"):
+        LLM(model=fp8, quantization="ascend")
 
 
 def test_a_bf16_engine_run_agrees_with_the_model_alone():

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from tokenizers import Regex, normalizers
 from torch import nn
 
+from model.config import ModelConfig
 from model.engram import (
     Engram,
     EngramConfig,
@@ -19,6 +20,7 @@ from model.engram import (
     multipliers,
     normalize_token_text,
 )
+from model.tiny import toy_config
 from model.tokenizer import PAD_ID, load_tokenizer
 
 PROJECT_COMPRESSED_VOCAB = 3437  # the project tokenizer's 4096 ids, normalised (open point 9)
@@ -264,21 +266,17 @@ def test_config_validation() -> None:
         EngramHasher.build(replace(TOY, compressed_vocab_size=99092), TOKEN_MAP)
     with pytest.raises(ValueError, match=r"engram_pad_token_id: 5000 outside the vocabulary \[0, 4096\)"):
         EngramHasher.build(replace(TOY, pad_token_id=5000), TOKEN_MAP)
-    text_config = {
-        **{f"engram_{k}": v for k, v in (("layer_ids", [1, 4]), ("num_embeddings", [6126, 6332]))},
-        "engram_max_ngram_size": 4,
-        "engram_vocab_size": 1000,
-        "engram_n_heads": 2,
-        "engram_head_dim": 32,
-        "engram_pad_id": 2,
-        "engram_compressed_vocab_size": PROJECT_COMPRESSED_VOCAB,
-        "hc_mult": 4,
-        "hidden_size": 128,
-        "rms_norm_eps": 1e-20,
-    }
-    assert EngramConfig.from_dict(text_config) == TOY
-    with pytest.raises(ValueError, match="config: missing engram_n_heads"):
-        EngramConfig.from_dict({k: v for k, v in text_config.items() if k != "engram_n_heads"})
+
+
+def test_the_model_config_parses_its_engram_section_once() -> None:
+    """The ``engram_*`` keys (the official ``engram_pad_id`` too) become ``ModelConfig.engram``, with the
+    model's own widths; a missing key is named."""
+    raw = toy_config("v41")
+    raw["text_config"]["engram_pad_id"] = raw["text_config"].pop("engram_pad_token_id")
+    assert ModelConfig.from_dict(raw).engram == TOY
+    del raw["text_config"]["engram_n_heads"]
+    with pytest.raises(ValueError, match="missing the required field 'engram_n_heads'"):
+        ModelConfig.from_dict(raw)
 
 
 def test_hasher_validation() -> None:
@@ -343,9 +341,12 @@ def test_engram_fusion() -> None:
         torch.testing.assert_close(out, _fusion_spec(m, x, ids, dead), rtol=1e-5, atol=1e-5)
         assert torch.equal(out[2], x[2])  # gate 0 at the dead position
         assert not torch.equal(m(x, ids)[2], x[2])
-        half = m(x.bfloat16(), ids)
-        assert half.dtype == torch.bfloat16
-        torch.testing.assert_close(half.float(), m(x.bfloat16().float(), ids), rtol=1e-2, atol=1e-2)
+        # In bf16 as the loader holds it: table and wkv in bf16, the q / k norm weights in fp32.
+        half = _engram().bfloat16()
+        half.q_weight.data, half.k_weight.data = m.q_weight.data, m.k_weight.data
+        out = half(x.bfloat16(), ids)
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out.float(), m(x.bfloat16().float(), ids), rtol=1e-2, atol=1e-2)
 
 
 def test_engram_validation() -> None:

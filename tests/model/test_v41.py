@@ -9,9 +9,11 @@ import torch
 
 from model.attention_v41 import Indexer41, V41Attention
 from model.block import one_hot_premix
-from model.checkpoint import SINGLE_FILE, load_model
+from model.checkpoint import SINGLE_FILE, load_model, read_tensors
 from model.config import ModelConfig
+from model.engram import Fp8Table
 from model.plan import Attention, Candidates
+from model.quant_linear import Fp8Linear
 from model.tiny import write_tiny
 from triton_kernels import tuning
 
@@ -208,8 +210,8 @@ def test_bad_v41_checkpoint_fails_at_start(tiny_dir, tmp_path):
 
 def test_dspark_block_is_non_causal_with_a_bounded_context(model):
     cfg, stage = model.cfg, model.mtp[0]
-    block, device = cfg.dspark_block_size, torch.device("cpu")
-    ids = torch.full((block,), cfg.dspark_noise_token_id)
+    block, device = cfg.dspark.block_size, torch.device("cpu")
+    ids = torch.full((block,), cfg.dspark.noise_token_id)
     ids[0] = 7
     positions = torch.arange(40, 40 + block)
     context = torch.randn(cfg.sliding_window, cfg.head_dim, generator=torch.Generator().manual_seed(0))
@@ -235,13 +237,24 @@ def test_dspark_block_is_non_causal_with_a_bounded_context(model):
     assert draft.tokens == draft.logits.argmax(-1).tolist()
 
 
-def test_quantised_v41_checkpoint_loads(tiny_dir, model, tmp_path):
-    """FP8 linears and Engram tables (per-row scales) and MXFP4 experts, dequantised on load."""
-    quantised = load_model(write_tiny(tmp_path / "fp8", arch="v41", fp8=True))
-    table, ref = quantised.layers[1].engram.embed.weight, model.layers[1].engram.embed.weight
+def test_quantised_v41_checkpoint_loads_packed(tiny_dir, model, tmp_path):
+    """FP8 linears (Engram's ``wkv`` too), FP8 Engram tables (per-row scales) and MXFP4 experts stay as
+    stored, and compute what their dequantised forms compute."""
+    fp8 = write_tiny(tmp_path / "fp8", arch="v41", fp8=True)
+    packed, dense = load_model(fp8), load_model(fp8, quantization="dense")
+    engram = packed.layers[1].engram
+    assert isinstance(engram.embed, Fp8Table) and engram.embed.weight.dtype == torch.float8_e4m3fn
+    assert isinstance(engram.wkv, Fp8Linear)
+    stored = sum(t.nbytes for t in read_tensors(fp8).values())
+    assert sum(t.nbytes for t in packed.official_state().values()) == stored  # nothing expanded
+    table, ref = dense.layers[1].engram.embed.weight, model.layers[1].engram.embed.weight
     assert ((table - ref).abs() <= ref.abs() / 16 + 2.0**-12).all()
+    ids = torch.randint(0, table.shape[0], (7, 3))
+    assert torch.equal(engram.embed.lookup(ids, torch.device("cpu")), table[ids])
     with torch.no_grad():
-        assert torch.isfinite(quantised(prompt(40))).all()
+        ours, theirs = packed(prompt(40)), dense(prompt(40))
+    assert torch.isfinite(ours).all()
+    assert (ours - theirs).abs().max() <= 1e-4 and torch.equal(ours.argmax(-1), theirs.argmax(-1))
 
 
 def test_dspark_drafts_a_batch_as_it_drafts_each_request(model):

@@ -7,7 +7,8 @@ import shlex
 
 import pytest
 
-from engine.server.args import parse_args, parse_count
+from engine.config import EngineConfig
+from engine.server.args import engine_config, parse_args, parse_count
 
 
 def test_vllm_forms_of_the_flags():
@@ -65,3 +66,24 @@ def test_unsupported_values_are_errors_naming_the_flag(argv: list[str], named: s
     with pytest.raises(SystemExit):
         parse_args(argv)
     assert named in capsys.readouterr().err
+
+
+def test_every_engine_field_is_a_flag_with_the_field_default():
+    """The flags are generated from ``EngineConfig``: none missing, the same defaults, parsed in the units
+    the field declares."""
+    assert engine_config(parse_args([])) == EngineConfig()
+    line = (
+        "--max-num-seqs 3 --max-num-batched-tokens 2k --kv-cache-memory 1MiB --no-enable-prefix-caching "
+        "--speculative-method mtp --num-speculative-tokens 2 --dspark-min-confidence 0.5"
+    )
+    assert engine_config(parse_args(shlex.split(line))) == EngineConfig(
+        max_num_seqs=3,
+        max_num_batched_tokens=2000,
+        kv_cache_memory=2**20,
+        enable_prefix_caching=False,
+        speculative_method="mtp",
+        num_speculative_tokens=2,
+        dspark_min_confidence=0.5,
+    )
+    with pytest.raises(ValueError, match="max_num_seqs=0 must be at least 1"):
+        engine_config(parse_args(["--max-num-seqs", "0"]))
