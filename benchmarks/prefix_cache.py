@@ -26,7 +26,7 @@ from engine.llm_engine import EngineConfig, LLMEngine
 from engine.request import SamplingParams
 from model.chat import encode_messages
 from model.chat_profile import RESERVED_FRAGMENTS, ChatProfile, select_chat_profile
-from model.checkpoint import load_model
+from model.checkpoint import load_model, placement, placement_arguments
 from model.tiny import ARCHS, cached_tiny
 from model.tokenizer import load_tokenizer
 
@@ -100,9 +100,11 @@ def main() -> None:
     parser.add_argument("--tools", type=int, default=1, choices=range(len(TOOLS) + 1))
     parser.add_argument("--system-rules", type=int, default=5, help="sentences of the system prompt")
     parser.add_argument("--max-tokens", type=int, default=8)
+    placement_arguments(parser)
     args = parser.parse_args()
     path: Path = cached_tiny(args.arch)
-    model, tokenizer = load_model(path), load_tokenizer(path)
+    device, dtype = placement(args.device, args.dtype)
+    model, tokenizer = load_model(path, dtype, device), load_tokenizer(path)
     profile = select_chat_profile(model.cfg.model_type, path, None)
     system = " ".join(
         f"Rule {i}: be brief, cite sources, ask before acting." for i in range(args.system_rules)

@@ -21,7 +21,7 @@ import torch
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.request import Request, SamplingParams
 from engine.spec_decode.proposer import Proposer, ScriptedProposer
-from model.checkpoint import load_model
+from model.checkpoint import load_model, placement, placement_arguments
 from model.tiny import cached_tiny
 from model.tokenizer import load_tokenizer
 
@@ -64,7 +64,8 @@ def forced_accept(reference: dict[tuple[int, ...], list[int]]) -> Proposer:
 
 def bench(arch: str, args: argparse.Namespace) -> None:
     path = cached_tiny(arch)
-    model, tokenizer = load_model(path), load_tokenizer(path)
+    device, dtype = placement(args.device, args.dtype)
+    model, tokenizer = load_model(path, dtype, device), load_tokenizer(path)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, model.cfg.vocab_size, (args.prompt_len,), generator=gen).tolist()
                for _ in range(args.requests)]  # fmt: skip
@@ -98,6 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--k", type=int, default=3, help="drafts per step")
+    placement_arguments(parser)
     args = parser.parse_args(argv)
     for arch in args.arch:
         bench(arch, args)

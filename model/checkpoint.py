@@ -16,6 +16,7 @@ channel weight scales, model-spec §9.4).
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import re
@@ -225,6 +226,13 @@ def placement(
     if name not in DTYPE_NAMES:
         raise ValueError(f"dtype={name!r}: the model computes in bfloat16 or float32 (or auto), not {name}")
     return torch.device(device), DTYPE_NAMES[name]
+
+
+def placement_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--device`` and ``--dtype`` as ``placement`` reads them, for the scripts and benchmarks."""
+    parser.add_argument("--device", choices=DEVICES, help="default: the accelerator present, else cpu")
+    parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPE_NAMES],
+                        help="auto: bfloat16 on npu / cuda, float32 on cpu")  # fmt: skip
 
 
 def load_model(

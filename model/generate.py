@@ -14,7 +14,7 @@ import torch
 from model.causal_lm import CausalLM
 from model.chat import encode_messages
 from model.chat_profile import PROFILES, select_chat_profile
-from model.checkpoint import DEVICES, load_model, loader_quantization, placement
+from model.checkpoint import load_model, loader_quantization, placement, placement_arguments
 from model.tiny import ARCHS, cached_tiny
 from model.tokenizer import load_tokenizer, prompt_ids
 
@@ -48,9 +48,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--arch", default="v4", choices=ARCHS)
     parser.add_argument("--prompt", default="The quick brown fox")
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--device", choices=DEVICES, help="default: the accelerator present, else cpu")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
-                        help="auto: bfloat16 on npu / cuda, float32 on cpu")  # fmt: skip
+    placement_arguments(parser)
     parser.add_argument("--quantization", choices=["fp8", "ascend", "w8a8"],
                         help="the stored format, or w8a8: requantise an fp8 checkpoint at load")  # fmt: skip
     parser.add_argument("--chat", action="store_true", help="send the prompt as a user message, chat-encoded")
