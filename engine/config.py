@@ -23,9 +23,11 @@ class EngineConfig:
     dspark_min_confidence: float = 0.0  # verify the draft prefix whose confidence product stays above
     enable_prefix_caching: bool = True
     prefix_page_size: int = 256  # tokens per cached page: a multiple of every compress ratio, >= the window
+    tensor_parallel_size: int = 1  # ranks the model is split over (one process each)
 
     def __post_init__(self) -> None:
-        counts = ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "prefix_page_size")
+        counts = ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "prefix_page_size",
+                  "tensor_parallel_size")  # fmt: skip
         for name in counts:
             if (value := getattr(self, name)) < 1:
                 raise ValueError(f"{name}={value} must be at least 1")
@@ -41,3 +43,8 @@ class EngineConfig:
             )
         if self.num_speculative_tokens is not None and not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens} must be in [1, 16]")
+        if self.tensor_parallel_size > 1 and (self.speculative_method or self.enable_prefix_caching):
+            raise ValueError(
+                f"tensor_parallel_size={self.tensor_parallel_size} runs without speculative decoding and "
+                "prefix caching for now: set speculative_method=None and enable_prefix_caching=False"
+            )

@@ -9,6 +9,7 @@ one prompt or a list. ``SamplingParams(n=K)`` gives K outputs per prompt, output
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from tqdm import tqdm
 from engine.config import SPECULATIVE_ALIASES, EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.request import Request, SamplingParams
+from engine.workers import Workers, WorkerSpec
 from model.chat import encode_messages
 from model.chat_profile import select_chat_profile
 from model.checkpoint import load_model, placement
@@ -62,9 +64,8 @@ class LLM:
         """``engine_args`` are EngineConfig's fields (vLLM's names: ``max_model_len``, ``max_num_seqs``,
         ``max_num_batched_tokens``, ``block_size``, ``seed``, ...); ``dtype`` auto is bfloat16 on npu / cuda
         and float32 on cpu, ``device`` defaults to the accelerator present; ``trust_remote_code`` and
-        ``enforce_eager`` are accepted as vLLM's and change nothing here."""
-        if tensor_parallel_size != 1:
-            raise ValueError(f"tensor_parallel_size={tensor_parallel_size}: one device for now (1)")
+        ``enforce_eager`` are accepted as vLLM's and change nothing here. ``tensor_parallel_size`` N > 1
+        spawns N - 1 worker processes (``close()`` ends them); prefix caching is then off by default."""
         where, compute_dtype = placement(device, dtype)
         known = {f.name for f in dataclasses.fields(EngineConfig)}
         if unknown := sorted(set(engine_args) - known):
@@ -81,9 +82,29 @@ class LLM:
             from model.tiny import cached_tiny
 
             model = cached_tiny("v41")
-        built = load_model(model, compute_dtype, where)
-        self.engine = LLMEngine(built, load_tokenizer(model), EngineConfig(**engine_args))
+        if tensor_parallel_size > 1:
+            engine_args.setdefault("enable_prefix_caching", False)
+        config = EngineConfig(tensor_parallel_size=tensor_parallel_size, **engine_args)
+        self.workers = None
+        if tensor_parallel_size > 1:
+            self.workers = Workers(
+                tensor_parallel_size, WorkerSpec(str(model), compute_dtype, where.type, config)
+            )
+            weakref.finalize(self, self.workers.close)
+        try:
+            built = load_model(model, compute_dtype, where, parallel=self.workers and self.workers.context)
+            if self.workers:
+                self.workers.ready()
+            self.engine = LLMEngine(built, load_tokenizer(model), config, workers=self.workers)
+        except BaseException:
+            self.close()
+            raise
         self.chat_profile = select_chat_profile(built.cfg.model_type, Path(model), chat_encoding)
+
+    def close(self) -> None:
+        """End the tensor-parallel workers, if any (also done when the LLM is garbage-collected)."""
+        if self.workers:
+            self.workers.close()
 
     def generate(
         self,

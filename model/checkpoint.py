@@ -30,6 +30,7 @@ from model.deepseek_v4 import DeepseekV4
 from model.deepseek_v41 import DeepseekV41
 from model.engram import compressed_token_map
 from model.moe import MoE
+from model.parallel import ParallelContext, ShardPlan, shard_model
 from model.quant import dequantize_fp4, dequantize_fp8
 from model.quant_linear import DenseLinear, Fp8Linear, Int8Linear, Mxfp4Linear
 from model.shards import StoredTensor, read_headers
@@ -222,13 +223,18 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     quantization: str = "auto",
+    parallel: ParallelContext | None = None,
 ) -> CausalLM:
     """The checkpoint's model on ``device``, computing in ``dtype`` (fp32 or bf16; the tensors of
-    model-spec §9.1 stay fp32), its quantised weights kept as ``quantization`` says."""
+    model-spec §9.1 stay fp32), its quantised weights kept as ``quantization`` says; with ``parallel``
+    over several ranks, this rank's share only, read from the checkpoint as slices."""
     model, stored = plan_model(path, dtype, quantization)
+    shard = None
+    if parallel is not None and parallel.world > 1:
+        shard = shard_weights(model, stored, parallel, dtype, quantization)
     model = model.to_empty(device=device)
     with torch.no_grad():
-        stream_weights(stored, model.official_state(), model.cfg.fp8_block)
+        stream_weights(stored, model.official_state(), model.cfg.fp8_block, shard)
     model.init_buffers()
     return model.requires_grad_(False).eval()  # inference only
 
@@ -253,9 +259,33 @@ def plan_model(
     check_scales(stored, cfg.fp8_block)
     check_description(path, stored)
     pack_linears(model, stored, cfg.fp8_block, quantization)
+    _set_dtypes(model, dtype)
+    return model, stored
+
+
+def _set_dtypes(model: nn.Module, dtype: torch.dtype) -> None:
     for name, param in model.named_parameters():
         param.data = param.data.to(parameter_dtype(name, dtype))  # still on meta: no bytes yet
-    return model, stored
+
+
+def shard_weights(
+    model: nn.Module,
+    stored: dict[str, StoredTensor],
+    context: ParallelContext,
+    dtype: torch.dtype,
+    quantization: str,
+) -> ShardPlan:
+    """Cut the planned model down to one rank's share, on ``meta``; packed weights would need their scales
+    sliced on block boundaries, which tensor parallelism does not do yet."""
+    packed = [n for n in weight_names(stored) if stored_format(n, stored) != DENSE]
+    if packed and quantization != "dense":
+        raise ValueError(
+            f"tensor_parallel_size={context.world} loads dense weights only: {packed[0]} (and "
+            f"{len(packed) - 1} more) is stored {stored_format(packed[0], stored)}; use quantization='dense'"
+        )
+    plan = shard_model(model, context)
+    _set_dtypes(model, dtype)
+    return plan
 
 
 def pack_linears(
@@ -290,18 +320,26 @@ def pack_linears(
 
 
 def stream_weights(
-    stored: dict[str, StoredTensor], targets: dict[str, torch.Tensor], block: int | None
+    stored: dict[str, StoredTensor],
+    targets: dict[str, torch.Tensor],
+    block: int | None,
+    shard: ShardPlan | None = None,
 ) -> None:
     """Fill every target, shard by shard in byte order: bytes the model keeps as stored are read into
-    their tensor directly; the others are read with their scales and converted one weight at a time."""
+    their tensor directly; the others are read with their scales and converted one weight at a time.
+    With a ``shard``, split tensors are read as this rank's slice and other ranks' tensors skipped."""
+    slices, elsewhere = (shard.slices, shard.elsewhere) if shard else ({}, set())
     filled: set[str] = set()
     for name, entry in stored.items():
-        target = targets.get(name)
-        if target is not None and _same_bytes(entry, target):
+        target, part = targets.get(name), slices.get(name)
+        if part is not None and entry.dtype == target.dtype:
+            part.read_into(entry, target)
+            filled.add(name)
+        elif part is None and target is not None and _same_bytes(entry, target):
             entry.read_into(target)
             filled.add(name)
     for name in weight_names(stored):
-        if name in filled:
+        if name in filled or name in elsewhere:
             continue
         parts = {n: stored[n].read() for n in (name, *(sibling(name, s) for s in _SIBLINGS)) if n in stored}
         target = targets[name]
@@ -312,7 +350,8 @@ def stream_weights(
             targets[sibling(name, W8A8_OFFSET)].zero_()
             filled.update((sibling(name, W8A8_SCALE), sibling(name, W8A8_OFFSET)))
         else:
-            target.copy_(unpack(name, parts, block, target.dtype))
+            value = unpack(name, parts, block, target.dtype)
+            target.copy_(slices[name].take(value) if name in slices else value)
         filled.add(name)
     if unfilled := sorted(set(targets) - filled):
         raise ValueError(f"the checkpoint left model tensors unfilled: {', '.join(unfilled)}")

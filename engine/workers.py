@@ -1,0 +1,268 @@
+"""Tensor-parallel workers: rank 0, the engine's process, schedules and samples; ranks 1..N-1 are spawned
+processes that load their own shard and run every forward rank 0 runs, from the step plan it broadcasts
+on a CPU (gloo) group. The model's collectives run on the device's backend: gloo on cpu, NCCL on cuda,
+HCCL on npu. A worker that exits or stops answering turns rank 0's next step into a ``WorkerFailed``
+naming the rank, within the group's timeout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from engine.config import EngineConfig
+from engine.kv_cache import BlockTable, KVCacheManager
+from engine.model_runner import ModelRunner, StepOutput
+from engine.scheduler import ScheduledChunk
+from model.cache import KVPools, cache_groups
+from model.checkpoint import load_model
+from model.config import ModelConfig
+from model.parallel import ParallelContext, check_divisible
+
+BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+STEP, CHECKSUMS, STOP = "step", "checksums", "stop"
+
+
+class WorkerFailed(RuntimeError):
+    """A tensor-parallel worker exited or stopped answering: the engine cannot step any more."""
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What every rank loads and how it sizes its KV cache (the same on every rank)."""
+
+    path: str
+    dtype: torch.dtype
+    device: str
+    config: EngineConfig
+    timeout_s: float = 60.0
+    # Replicated layers must compute bit-identical caches on every rank: on the CPU a matmul's result
+    # depends on its thread count, so every rank uses rank 0's.
+    threads: int = field(default_factory=torch.get_num_threads)
+
+
+@dataclass(frozen=True)
+class RequestRef:
+    id: str
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """A scheduled chunk as a worker's ``ModelRunner`` reads it."""
+
+    request: RequestRef
+    start: int
+    length: int
+    token_ids: list[int]
+    samples: bool
+    num_drafts: int = 0
+
+
+@dataclass
+class StepPlan:
+    command: str
+    chunks: list[ChunkPlan] = field(default_factory=list)
+    # The whole block tables of the step's requests: rank 0's manager grows them in place between steps.
+    tables: dict[str, dict[str, list[int]]] = field(default_factory=dict)
+    released: list[str] = field(default_factory=list)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_group(
+    rank: int, world: int, port: int, device: str, timeout_s: float
+) -> tuple[ParallelContext, dist.ProcessGroup]:
+    """Join the group on this machine's ``port``; returns the model's context and the CPU group the step
+    plans travel on."""
+    backend = BACKENDS[device]
+    if device != "cpu":
+        getattr(torch, device).set_device(rank)
+    timeout = timedelta(seconds=timeout_s)
+    dist.init_process_group(
+        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timeout
+    )
+    control = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
+    return ParallelContext(rank, world), control
+
+
+def cache_checksums(pools: KVPools) -> dict[str, str]:
+    """A digest of every layer's pools, to check that replicated caches agree across ranks."""
+    named = [(f"window.{i}", t) for i, t in pools.window.items()]
+    named += [(f"entries.{i}", t) for i, t in pools.entries.items()]
+    named += [(f"index_keys.{i}", t) for i, t in pools.index_keys.items()]
+    return {
+        name: hashlib.sha256(t.cpu().contiguous().view(torch.uint8).numpy()).hexdigest() for name, t in named
+    }
+
+
+class Workers:
+    """Rank 0's handle on the spawned ranks: start-up, the step broadcast, the health check, shutdown."""
+
+    def __init__(self, world: int, spec: WorkerSpec):
+        check_divisible(ModelConfig.from_file(spec.path), world)  # before any process starts
+        self.world, self.spec, self.closed = world, spec, False
+        port, spawn = free_port(), mp.get_context("spawn")
+        self.processes = [
+            spawn.Process(
+                target=worker_main, args=(rank, world, port, spec), daemon=True, name=f"tp-rank-{rank}"
+            )
+            for rank in range(1, world)
+        ]
+        for process in self.processes:
+            process.start()
+        try:
+            with self.guard():
+                self.context, self.control = init_group(0, world, port, spec.device, spec.timeout_s)
+        except BaseException:
+            self.close()
+            raise
+
+    def ready(self) -> None:
+        """Wait for every worker's shard to load; a worker's load error is raised here, naming its rank."""
+        with self.guard():
+            errors = self._gather(None)
+        if failed := [(rank, err) for rank, err in enumerate(errors) if err]:
+            self.close()
+            raise ValueError("; ".join(f"tensor-parallel rank {rank}: {err}" for rank, err in failed))
+
+    def broadcast(self, plan: StepPlan) -> None:
+        self.check()
+        dist.broadcast_object_list([plan], src=0, group=self.control)
+
+    def checksums(self, pools: KVPools) -> list[dict[str, str]]:
+        """Every rank's ``cache_checksums``, in rank order."""
+        with self.guard():
+            self.broadcast(StepPlan(CHECKSUMS))
+            return self._gather(cache_checksums(pools))
+
+    def _gather(self, value: object) -> list:
+        out = [None] * self.world
+        dist.all_gather_object(out, value, group=self.control)
+        return out
+
+    def check(self) -> None:
+        """Raise ``WorkerFailed`` naming the first rank whose process has exited."""
+        for rank, process in enumerate(self.processes, start=1):
+            if not process.is_alive():
+                raise WorkerFailed(f"tensor-parallel rank {rank} exited with code {process.exitcode}")
+
+    @contextlib.contextmanager
+    def guard(self) -> Iterator[None]:
+        """Turn a failed collective into a ``WorkerFailed`` that names the rank."""
+        try:
+            yield
+        except (RuntimeError, dist.DistError) as err:
+            if isinstance(err, WorkerFailed):
+                raise
+            for process in self.processes:
+                process.join(timeout=1.0)  # a dying worker's exit code settles
+            self.check()
+            alive = ", ".join(str(r) for r in range(1, self.world))
+            raise WorkerFailed(
+                f"tensor-parallel rank(s) {alive} did not answer within {self.spec.timeout_s:.0f} s: {err}"
+            ) from err
+
+    def close(self) -> None:
+        """Stop the workers (asked, then terminated) and leave the group; safe to call twice."""
+        if self.closed:
+            return
+        self.closed = True
+        if dist.is_initialized():
+            with contextlib.suppress(Exception):
+                if all(p.is_alive() for p in self.processes):
+                    dist.broadcast_object_list([StepPlan(STOP)], src=0, group=self.control)
+        for process in self.processes:
+            process.join(timeout=10.0)
+            if process.is_alive():
+                process.terminate()
+                process.join(timeout=5.0)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class LeaderRunner(ModelRunner):
+    """Rank 0's runner: each step's plan goes to the workers before rank 0 runs the same forward."""
+
+    def __init__(self, model: torch.nn.Module, cache: KVCacheManager, workers: Workers):
+        super().__init__(model, cache)
+        self.workers = workers
+        self.released: list[str] = []
+
+    def run(self, chunks: list[ScheduledChunk]) -> StepOutput:
+        plan = StepPlan(
+            STEP,
+            [ChunkPlan(RequestRef(c.request.id), c.start, c.length, c.token_ids, c.samples) for c in chunks],
+            {
+                c.request.id: {name: list(t.blocks) for name, t in self.cache.tables[c.request.id].items()}
+                for c in chunks
+            },
+            self.released,
+        )
+        self.released = []
+        with self.workers.guard():
+            self.workers.broadcast(plan)
+            return super().run(chunks)
+
+    def rollback(self, chunk: ScheduledChunk, keep: int) -> None:
+        raise NotImplementedError("speculative decoding does not run under tensor parallelism yet")
+
+    def release(self, request_id: str) -> None:
+        super().release(request_id)
+        self.released.append(request_id)
+
+    def replica_checksums(self) -> list[dict[str, str]]:
+        return self.workers.checksums(self.pools)
+
+
+def worker_main(rank: int, world: int, port: int, spec: WorkerSpec) -> None:
+    """A spawned rank: load the shard, then run rank 0's step plans until it says stop."""
+    torch.set_num_threads(spec.threads)
+    context, control = init_group(rank, world, port, spec.device, spec.timeout_s)
+    runner, error = None, None
+    try:
+        model = load_model(spec.path, spec.dtype, spec.device, parallel=context)
+        config = spec.config
+        groups = cache_groups(model.cfg, model.embed.weight.element_size())
+        runner = ModelRunner(
+            model, KVCacheManager.from_budget(groups, config.block_size, config.kv_cache_memory)
+        )
+    except Exception as err:  # reported to rank 0, which raises it naming this rank
+        error = f"{type(err).__name__}: {err}"
+    dist.all_gather_object([None] * world, error, group=control)
+    while runner is not None:
+        received = [None]
+        dist.broadcast_object_list(received, src=0, group=control)
+        plan: StepPlan = received[0]
+        if plan.command == STOP:
+            break
+        if plan.command == CHECKSUMS:
+            dist.all_gather_object([None] * world, cache_checksums(runner.pools), group=control)
+            continue
+        _follow(runner, plan)
+        runner.run(plan.chunks)
+    dist.destroy_process_group()
+
+
+def _follow(runner: ModelRunner, plan: StepPlan) -> None:
+    """Mirror rank 0's block tables: released requests dropped, the step's tables updated in place (the
+    runner's ``SeqCache`` holds the same lists)."""
+    tables = runner.cache.tables
+    for request_id in plan.released:
+        runner.release(request_id)
+        tables.pop(request_id, None)
+    for request_id, groups in plan.tables.items():
+        mine = tables.setdefault(request_id, {name: BlockTable() for name in groups})
+        for name, blocks in groups.items():
+            mine[name].blocks[:] = blocks
