@@ -20,10 +20,10 @@ from tqdm import tqdm
 from engine.config import SPECULATIVE_ALIASES, EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.request import Request, SamplingParams
-from engine.workers import Workers, WorkerSpec
+from engine.workers import load_ranks
 from model.chat import encode_messages
 from model.chat_profile import select_chat_profile
-from model.checkpoint import load_model, placement
+from model.checkpoint import placement
 from model.tokenizer import load_tokenizer, prompt_ids
 
 Prompt = str | list[int] | dict[str, Any]
@@ -85,16 +85,10 @@ class LLM:
         if tensor_parallel_size > 1:
             engine_args.setdefault("enable_prefix_caching", False)
         config = EngineConfig(tensor_parallel_size=tensor_parallel_size, **engine_args)
-        self.workers = None
-        if tensor_parallel_size > 1:
-            self.workers = Workers(
-                tensor_parallel_size, WorkerSpec(str(model), compute_dtype, where.type, config)
-            )
+        built, self.workers = load_ranks(model, compute_dtype, where, config)
+        if self.workers:
             weakref.finalize(self, self.workers.close)
         try:
-            built = load_model(model, compute_dtype, where, parallel=self.workers and self.workers.context)
-            if self.workers:
-                self.workers.ready()
             self.engine = LLMEngine(built, load_tokenizer(model), config, workers=self.workers)
         except BaseException:
             self.close()

@@ -10,9 +10,13 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import socket
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -23,6 +27,7 @@ from engine.kv_cache import BlockTable, KVCacheManager
 from engine.model_runner import ModelRunner, StepOutput
 from engine.scheduler import ScheduledChunk
 from model.cache import KVPools, cache_groups
+from model.causal_lm import CausalLM
 from model.checkpoint import load_model
 from model.config import ModelConfig
 from model.parallel import ParallelContext, check_divisible
@@ -43,6 +48,7 @@ class WorkerSpec:
     dtype: torch.dtype
     device: str
     config: EngineConfig
+    quantization: str = "auto"
     timeout_s: float = 60.0
     # Replicated layers must compute bit-identical caches on every rank: on the CPU a matmul's result
     # depends on its thread count, so every rank uses rank 0's.
@@ -113,6 +119,8 @@ class Workers:
     def __init__(self, world: int, spec: WorkerSpec):
         check_divisible(ModelConfig.from_file(spec.path), world)  # before any process starts
         self.world, self.spec, self.closed = world, spec, False
+        self.failed: WorkerFailed | None = None
+        self.on_failure: Callable[[WorkerFailed], None] | None = None
         port, spawn = free_port(), mp.get_context("spawn")
         self.processes = [
             spawn.Process(
@@ -156,11 +164,32 @@ class Workers:
         """Raise ``WorkerFailed`` naming the first rank whose process has exited."""
         for rank, process in enumerate(self.processes, start=1):
             if not process.is_alive():
-                raise WorkerFailed(f"tensor-parallel rank {rank} exited with code {process.exitcode}")
+                self._fail(WorkerFailed(f"tensor-parallel rank {rank} exited with code {process.exitcode}"))
+
+    def watch(self, on_failure: Callable[[WorkerFailed], None], interval_s: float = 0.5) -> None:
+        """Call ``on_failure`` once when a worker dies, even while no step runs (a server's health)."""
+        self.on_failure = on_failure
+
+        def poll() -> None:
+            while not self.closed and self.failed is None:
+                with contextlib.suppress(WorkerFailed):
+                    self.check()
+                time.sleep(interval_s)
+
+        threading.Thread(target=poll, name="tp-watchdog", daemon=True).start()
+
+    def _fail(self, err: WorkerFailed) -> NoReturn:
+        first = self.failed is None
+        self.failed = self.failed or err
+        if first and self.on_failure is not None:
+            self.on_failure(err)
+        raise err
 
     @contextlib.contextmanager
     def guard(self) -> Iterator[None]:
-        """Turn a failed collective into a ``WorkerFailed`` that names the rank."""
+        """Turn a failed collective into a ``WorkerFailed`` that names the rank (a dead one if any: gloo
+        reports a closed peer at once, a silent one after the group's timeout). Any error inside a step
+        leaves the ranks out of step, so it is fatal to the group too."""
         try:
             yield
         except (RuntimeError, dist.DistError) as err:
@@ -169,10 +198,8 @@ class Workers:
             for process in self.processes:
                 process.join(timeout=1.0)  # a dying worker's exit code settles
             self.check()
-            alive = ", ".join(str(r) for r in range(1, self.world))
-            raise WorkerFailed(
-                f"tensor-parallel rank(s) {alive} did not answer within {self.spec.timeout_s:.0f} s: {err}"
-            ) from err
+            ranks = ", ".join(str(r) for r in range(1, self.world))
+            self._fail(WorkerFailed(f"a step with tensor-parallel rank(s) {ranks} failed: {err}"))
 
     def close(self) -> None:
         """Stop the workers (asked, then terminated) and leave the group; safe to call twice."""
@@ -226,13 +253,35 @@ class LeaderRunner(ModelRunner):
         return self.workers.checksums(self.pools)
 
 
+def load_ranks(
+    path: str | Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    config: EngineConfig,
+    quantization: str = "auto",
+) -> tuple[CausalLM, Workers | None]:
+    """Rank 0's model and, with ``config.tensor_parallel_size`` > 1, the started workers holding the
+    other shards (closed again if anything fails on the way)."""
+    if config.tensor_parallel_size == 1:
+        return load_model(path, dtype, device, quantization), None
+    spec = WorkerSpec(str(path), dtype, device.type, config, quantization)
+    workers = Workers(config.tensor_parallel_size, spec)
+    try:
+        model = load_model(path, dtype, device, quantization, parallel=workers.context)
+        workers.ready()
+    except BaseException:
+        workers.close()
+        raise
+    return model, workers
+
+
 def worker_main(rank: int, world: int, port: int, spec: WorkerSpec) -> None:
     """A spawned rank: load the shard, then run rank 0's step plans until it says stop."""
     torch.set_num_threads(spec.threads)
     context, control = init_group(rank, world, port, spec.device, spec.timeout_s)
     runner, error = None, None
     try:
-        model = load_model(spec.path, spec.dtype, spec.device, parallel=context)
+        model = load_model(spec.path, spec.dtype, spec.device, spec.quantization, parallel=context)
         config = spec.config
         groups = cache_groups(model.cfg, model.embed.weight.element_size())
         runner = ModelRunner(

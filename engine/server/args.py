@@ -114,10 +114,11 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument("--enforce-eager", action="store_true", help="accepted: no graphs are captured")
     cache.add_argument("--seed", type=int, default=0, help="seeds the requests that bring no seed")
 
-    parallel = p.add_argument_group("parallelism (one device for now)")
+    parallel = p.add_argument_group("parallelism (tensor parallel, experts split inside the group)")
     for name, short in (("tensor", "tp"), ("data", "dp"), ("pipeline", "pp")):
         parallel.add_argument(f"--{name}-parallel-size", f"-{short}", type=int, default=1)
-    parallel.add_argument("--enable-expert-parallel", action="store_true", help="accepted (one device)")
+    parallel.add_argument("--enable-expert-parallel", action="store_true",
+                          help="accepted: under tensor parallelism the experts are always split")  # fmt: skip
 
     spec = p.add_argument_group("speculative decoding")
     spec.add_argument(
@@ -194,9 +195,11 @@ def _check(args: argparse.Namespace) -> None:
     if args.model_tag and args.model and Path(args.model_tag) != Path(args.model):
         raise ValueError(f"the model is given twice: {args.model_tag!r} and --model {args.model!r}")
     args.model = args.model or args.model_tag
-    for name in ("tensor", "data", "pipeline"):
+    if args.tensor_parallel_size < 1:
+        raise ValueError(f"--tensor-parallel-size={args.tensor_parallel_size} must be at least 1")
+    for name in ("data", "pipeline"):
         if (size := getattr(args, f"{name}_parallel_size")) != 1:
-            raise ValueError(f"--{name}-parallel-size={size}: this server runs on one device for now (1)")
+            raise ValueError(f"--{name}-parallel-size={size}: only tensor parallelism for now (1)")
     if args.dtype in ("float16", "half"):
         raise ValueError(f"--dtype={args.dtype}: the model computes in bfloat16 or float32 (or auto)")
     if args.kv_cache_dtype != "auto":

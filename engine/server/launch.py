@@ -8,6 +8,7 @@ import dataclasses
 import json
 import logging
 import os
+import signal
 import socket
 import sys
 from importlib.metadata import version
@@ -23,8 +24,9 @@ from engine.server.app import build_app
 from engine.server.args import non_default
 from engine.server.protocol import GENERATION_FIELDS
 from engine.server.shutdown import FLUSH_TIMEOUT, GracefulServer
+from engine.workers import load_ranks
 from model.chat_profile import select_chat_profile
-from model.checkpoint import DESCRIPTION_FILE, load_model, placement
+from model.checkpoint import DESCRIPTION_FILE, placement
 from model.config import ModelConfig
 from model.tiny import cached_tiny
 from model.tokenizer import load_tokenizer
@@ -77,15 +79,16 @@ def start_engine(args: argparse.Namespace, path: Path) -> LLMEngine:
         raise ValueError(
             f"--quantization={args.quantization}: the checkpoint is stored as {stored or 'unquantized'}"
         )
-    device, dtype = placement(args.device, args.dtype)
+    device, dtype, tp = *placement(args.device, args.dtype), args.tensor_parallel_size
     quantization = "w8a8" if args.quantization == "w8a8" else "auto"
     plan = plan_memory(path, dtype, quantization, **memory_budget(args))  # fails before any weight loads
     log.info(plan.line())
-    model = load_model(path, dtype, device, quantization)
     flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
-    flags.update(kv_cache_memory=plan.kv_bytes, enable_prefix_caching=args.enable_prefix_caching is not False)
+    cached = args.enable_prefix_caching  # default: on with one rank (tensor parallel runs without it)
+    flags.update(kv_cache_memory=plan.kv_bytes, enable_prefix_caching=cached or (cached is None and tp == 1))
     config = EngineConfig(**flags)
-    engine = LLMEngine(model, load_tokenizer(path), config)
+    model, workers = load_ranks(path, dtype, device, config, quantization)
+    engine = LLMEngine(model, load_tokenizer(path), config, workers=workers)
     per_request = engine.cache.max_blocks(
         args.max_model_len + engine.lookahead, args.max_num_batched_tokens + engine.lookahead
     )
@@ -145,9 +148,21 @@ def serve(args: argparse.Namespace, sock: socket.socket) -> None:
     ])  # fmt: skip
     app = build_app(server, announce, None if args.disable_log_stats else 10.0)
     config = uvicorn.Config(app, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=FLUSH_TIMEOUT)
+    workers = getattr(engine.runner, "workers", None)
+    if workers is not None:
+        workers.watch(lambda err: _stop_on_failure(server, err))
     GracefulServer(config, server.core, args.shutdown_timeout).run(sockets=[sock])
+    if workers is not None:
+        workers.close()
     # Every stream is closed and the engine stopped: skip the interpreter's teardown of torch and the
     # model, which takes seconds the shutdown timeout has no room for.
     logging.shutdown()
     sys.stdout.flush()
-    os._exit(0)
+    os._exit(1 if workers is not None and workers.failed else 0)
+
+
+def _stop_on_failure(server: OpenAIServer, err: Exception) -> None:
+    """A tensor-parallel worker is gone: /health answers 503 and the server shuts down as on SIGTERM."""
+    log.error("%s: the server stops", err)
+    server.core.accepting = False
+    os.kill(os.getpid(), signal.SIGTERM)
