@@ -33,7 +33,7 @@ from model.config import ModelConfig
 from model.parallel import ParallelContext, check_divisible
 
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
-STEP, CHECKSUMS, STOP = "step", "checksums", "stop"
+STEP, REPORT, STOP = "step", "report", "stop"
 
 
 class WorkerFailed(RuntimeError):
@@ -103,6 +103,21 @@ def init_group(
     return ParallelContext(rank, world), control
 
 
+@dataclass(frozen=True)
+class RankReport:
+    """One rank's state, for checks and benchmarks."""
+
+    weight_bytes: int  # resident bytes of the model's checkpointed tensors
+    cache_bytes: int
+    checksums: dict[str, str]  # ``cache_checksums``: equal on every rank after any run
+
+
+def report(runner: ModelRunner) -> RankReport:
+    weights = sum(t.untyped_storage().nbytes() for t in runner.model.official_state().values())
+    pools = runner.pools
+    return RankReport(weights, pools.buffer.untyped_storage().nbytes(), cache_checksums(pools))
+
+
 def cache_checksums(pools: KVPools) -> dict[str, str]:
     """A digest of every layer's pools, to check that replicated caches agree across ranks."""
     named = [(f"window.{i}", t) for i, t in pools.window.items()]
@@ -149,11 +164,11 @@ class Workers:
         self.check()
         dist.broadcast_object_list([plan], src=0, group=self.control)
 
-    def checksums(self, pools: KVPools) -> list[dict[str, str]]:
-        """Every rank's ``cache_checksums``, in rank order."""
+    def reports(self, leader: RankReport) -> list[RankReport]:
+        """Every rank's ``RankReport``, in rank order (``leader``: rank 0's own)."""
         with self.guard():
-            self.broadcast(StepPlan(CHECKSUMS))
-            return self._gather(cache_checksums(pools))
+            self.broadcast(StepPlan(REPORT))
+            return self._gather(leader)
 
     def _gather(self, value: object) -> list:
         out = [None] * self.world
@@ -249,8 +264,8 @@ class LeaderRunner(ModelRunner):
         super().release(request_id)
         self.released.append(request_id)
 
-    def replica_checksums(self) -> list[dict[str, str]]:
-        return self.workers.checksums(self.pools)
+    def reports(self) -> list[RankReport]:
+        return self.workers.reports(report(self))
 
 
 def load_ranks(
@@ -296,8 +311,8 @@ def worker_main(rank: int, world: int, port: int, spec: WorkerSpec) -> None:
         plan: StepPlan = received[0]
         if plan.command == STOP:
             break
-        if plan.command == CHECKSUMS:
-            dist.all_gather_object([None] * world, cache_checksums(runner.pools), group=control)
+        if plan.command == REPORT:
+            dist.all_gather_object([None] * world, report(runner), group=control)
             continue
         _follow(runner, plan)
         runner.run(plan.chunks)
