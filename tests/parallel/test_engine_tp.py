@@ -7,10 +7,9 @@ import os
 import signal
 
 import pytest
-import torch
 
 from engine.llm import LLM
-from engine.request import SamplingParams
+from engine.request import InvalidRequest, SamplingParams
 from engine.workers import WorkerFailed
 from model.cache import block_layout, cache_groups
 from model.config import ModelConfig
@@ -29,15 +28,6 @@ def _engine(arch: str) -> dict:
     return {"max_num_batched_tokens": 16, "max_model_len": 128, "block_size": 16, "kv_cache_memory": kv}
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Both ranks on one thread each: two cores, and the same thread count on every rank."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _tokens(llm: LLM) -> list[list[int]]:
     return [out.outputs[0].token_ids for out in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
 
@@ -51,6 +41,9 @@ def test_tp2_engine_matches_one_process_and_reports_a_dead_worker(arch: str):
     single = _tokens(one)
     llm = LLM(model=path, tensor_parallel_size=2, **_engine(arch))
     try:
+        vocab = llm.engine.model.cfg.vocab_size
+        with pytest.raises(InvalidRequest, match=f"token id {vocab} is outside the vocabulary"):
+            llm.engine.add_request([5, vocab], GREEDY)  # on rank 0, before any step reaches a worker
         assert _tokens(llm) == single
         assert llm.engine.scheduler.preemptions == one.engine.scheduler.preemptions > 0
         rank0, rank1 = (report.checksums for report in llm.engine.runner.reports())

@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 
 import httpx
-import torch
 
 from engine.llm import LLM
 from engine.request import SamplingParams
@@ -32,13 +31,8 @@ def _healthy(url: str) -> bool:
 
 
 def test_tp2_server_serves_then_exits_when_a_worker_dies(tmp_path: Path):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-        single = LLM(model=cached_tiny("v41"), max_model_len=256).generate(PROMPT, greedy, use_tqdm=False)
-    finally:
-        torch.set_num_threads(threads)
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    single = LLM(model=cached_tiny("v41"), max_model_len=256).generate(PROMPT, greedy, use_tqdm=False)
     flags = ["--tensor-parallel-size", "2", "--torch-threads", "1", "--max-model-len", "256",
              "--kv-cache-memory", "16MiB", "--log-level", "warning"]  # fmt: skip
     with serving(tmp_path / "server.log", *flags) as (served, proc):
