@@ -88,17 +88,27 @@ def free_port() -> int:
 
 
 def init_group(
-    rank: int, world: int, port: int, device: str, timeout_s: float
+    rank: int, world: int, port: int, device: str, timeout_s: float, watch: Callable[[], None] | None = None
 ) -> tuple[ParallelContext, dist.ProcessGroup]:
     """Join the group on this machine's ``port``; returns the model's context and the CPU group the step
-    plans travel on."""
+    plans travel on. Rank 0 hosts the store and calls ``watch`` while it waits for the others to join,
+    so a worker that dies before joining fails the start at once rather than after the timeout."""
     backend = BACKENDS[device]
     if device != "cpu":
         getattr(torch, device).set_device(rank)
     timeout = timedelta(seconds=timeout_s)
-    dist.init_process_group(
-        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timeout
-    )
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout, wait_for_workers=False)
+    if rank == 0:
+        deadline = time.monotonic() + timeout_s
+        while store.add("joined", 0) < world - 1:
+            if watch is not None:
+                watch()
+            if time.monotonic() > deadline:
+                raise WorkerFailed(f"the tensor-parallel ranks did not all join within {timeout_s:.0f} s")
+            time.sleep(0.05)
+    else:
+        store.add("joined", 1)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     control = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
     return ParallelContext(rank, world), control
 
@@ -147,7 +157,9 @@ class Workers:
             process.start()
         try:
             with self.guard():
-                self.context, self.control = init_group(0, world, port, spec.device, spec.timeout_s)
+                self.context, self.control = init_group(
+                    0, world, port, spec.device, spec.timeout_s, self.check
+                )
         except BaseException:
             self.close()
             raise
@@ -221,14 +233,16 @@ class Workers:
         if self.closed:
             return
         self.closed = True
-        if dist.is_initialized():
+        # A failed group is out of step: its workers are killed, not asked.
+        if self.failed is None and dist.is_initialized() and all(p.is_alive() for p in self.processes):
             with contextlib.suppress(Exception):
-                if all(p.is_alive() for p in self.processes):
-                    dist.broadcast_object_list([StepPlan(STOP)], src=0, group=self.control)
+                dist.broadcast_object_list([StepPlan(STOP)], src=0, group=self.control)
         for process in self.processes:
+            if self.failed is not None:
+                process.kill()
             process.join(timeout=10.0)
             if process.is_alive():
-                process.terminate()
+                process.kill()
                 process.join(timeout=5.0)
         if dist.is_initialized():
             dist.destroy_process_group()
