@@ -188,7 +188,9 @@ class Workers:
         return out
 
     def check(self) -> None:
-        """Raise ``WorkerFailed`` naming the first rank whose process has exited."""
+        """Raise ``WorkerFailed`` naming the first rank whose process has exited (or the group's failure)."""
+        if self.failed is not None:
+            raise self.failed
         for rank, process in enumerate(self.processes, start=1):
             if not process.is_alive():
                 self._fail(WorkerFailed(f"tensor-parallel rank {rank} exited with code {process.exitcode}"))
@@ -219,7 +221,7 @@ class Workers:
         leaves the ranks out of step, so it is fatal to the group too."""
         try:
             yield
-        except (RuntimeError, dist.DistError) as err:
+        except Exception as err:
             if isinstance(err, WorkerFailed):
                 raise
             for process in self.processes:

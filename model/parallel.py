@@ -113,7 +113,7 @@ class VocabParallelEmbedding(nn.Embedding):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.start
         mine = (local >= 0) & (local < self.num_embeddings)
-        out = F.embedding(torch.where(mine, local, 0), self.weight) * mine[:, None]
+        out = F.embedding(torch.where(mine, local, 0), self.weight) * mine.unsqueeze(-1)
         return self.context.all_reduce(out)
 
 
