@@ -30,7 +30,7 @@ from model.deepseek_v4 import DeepseekV4
 from model.deepseek_v41 import DeepseekV41
 from model.engram import compressed_token_map
 from model.moe import MoE
-from model.parallel import ParallelContext, ShardPlan, shard_model
+from model.parallel import ParallelContext, ShardPlan, connect, shard_model
 from model.quant import dequantize_fp4, dequantize_fp8
 from model.quant_linear import DenseLinear, Fp8Linear, Int8Linear, Mxfp4Linear
 from model.shards import StoredTensor, read_headers
@@ -228,10 +228,7 @@ def load_model(
     """The checkpoint's model on ``device``, computing in ``dtype`` (fp32 or bf16; the tensors of
     model-spec §9.1 stay fp32), its quantised weights kept as ``quantization`` says; with ``parallel``
     over several ranks, this rank's share only, read from the checkpoint as slices."""
-    model, stored = plan_model(path, dtype, quantization)
-    shard = None
-    if parallel is not None and parallel.world > 1:
-        shard = shard_weights(model, stored, parallel, dtype, quantization)
+    model, stored, shard = plan_shard(path, dtype, quantization, parallel)
     model = model.to_empty(device=device)
     with torch.no_grad():
         stream_weights(stored, model.official_state(), model.cfg.fp8_block, shard)
@@ -244,6 +241,18 @@ def plan_model(
 ) -> tuple[CausalLM, dict[str, StoredTensor]]:
     """The model on ``meta`` exactly as ``load_model`` will fill it (packed layers swapped in, parameter
     dtypes set) and the checkpoint's tensors, all from the headers: every check done, no byte read."""
+    model, stored, _ = plan_shard(path, dtype, quantization)
+    return model, stored
+
+
+def plan_shard(
+    path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    quantization: str = "auto",
+    parallel: ParallelContext | None = None,
+) -> tuple[CausalLM, dict[str, StoredTensor], ShardPlan | None]:
+    """``plan_model``, cut down to one rank's share when ``parallel`` spans several ranks (with the
+    ``ShardPlan`` the loader follows; split FP8 weights keep their stored bytes and block scales)."""
     if dtype not in COMPUTE_DTYPES:
         raise ValueError(f"dtype={dtype}: the model computes in {' or '.join(map(str, COMPUTE_DTYPES))}")
     if quantization not in QUANTIZATIONS:
@@ -258,41 +267,32 @@ def plan_model(
     )
     check_scales(stored, cfg.fp8_block)
     check_description(path, stored)
-    pack_linears(model, stored, cfg.fp8_block, quantization)
-    _set_dtypes(model, dtype)
-    return model, stored
-
-
-def _set_dtypes(model: nn.Module, dtype: torch.dtype) -> None:
+    shard = None
+    if parallel is not None and parallel.world > 1:
+        int8 = next((n for n in weight_names(stored) if stored_format(n, stored) == INT8), None)
+        if quantization == "w8a8" or int8:
+            raise ValueError(
+                f"tensor_parallel_size={parallel.world} does not run W8A8 yet ({int8 or 'quantization=w8a8'})"
+            )
+        shard = shard_model(model, parallel)
+    pack_linears(model, stored, cfg.fp8_block, quantization, shard)
+    if shard is not None:
+        connect(model, shard)
     for name, param in model.named_parameters():
         param.data = param.data.to(parameter_dtype(name, dtype))  # still on meta: no bytes yet
-
-
-def shard_weights(
-    model: nn.Module,
-    stored: dict[str, StoredTensor],
-    context: ParallelContext,
-    dtype: torch.dtype,
-    quantization: str,
-) -> ShardPlan:
-    """Cut the planned model down to one rank's share, on ``meta``; packed weights would need their scales
-    sliced on block boundaries, which tensor parallelism does not do yet."""
-    packed = [n for n in weight_names(stored) if stored_format(n, stored) != DENSE]
-    if packed and quantization != "dense":
-        raise ValueError(
-            f"tensor_parallel_size={context.world} loads dense weights only: {packed[0]} (and "
-            f"{len(packed) - 1} more) is stored {stored_format(packed[0], stored)}; use quantization='dense'"
-        )
-    plan = shard_model(model, context)
-    _set_dtypes(model, dtype)
-    return plan
+    return model, stored, shard
 
 
 def pack_linears(
-    model: nn.Module, stored: dict[str, StoredTensor], block: int | None, quantization: str
+    model: nn.Module,
+    stored: dict[str, StoredTensor],
+    block: int | None,
+    quantization: str,
+    shard: ShardPlan | None = None,
 ) -> None:
     """Swap, on ``meta``, each linear the checkpoint stores quantised for the packed layer that keeps it
-    so (``auto``) or for int8 W8A8 (``w8a8``); MXFP4 routed experts are stacked for ``moe_gemm``."""
+    so (``auto``) or for int8 W8A8 (``w8a8``); MXFP4 routed experts are stacked for ``moe_gemm`` (one by
+    one under a ``shard``, whose split FP8 weights read their slices of the block scales too)."""
     if quantization == "dense":
         return
     for prefix, module in list(model.named_modules()):
@@ -307,12 +307,15 @@ def pack_linears(
         fmt, shape = stored_format(name, stored), (module.in_features, module.out_features)
         if fmt == DENSE:
             continue
+        out, cols = unpacked_shape(name, stored)  # the whole tensor's, where a shard holds a slice
         if quantization == "w8a8" or fmt == INT8:
             packed = Int8Linear(*shape)
         elif fmt == MXFP4:
             packed = Mxfp4Linear(*shape)
-        elif tuple(stored[sibling(name, SCALE)].shape) == (-(-shape[1] // block), -(-shape[0] // block)):
+        elif tuple(stored[sibling(name, SCALE)].shape) == (-(-out // block), -(-cols // block)):
             packed = Fp8Linear(*shape, block)
+            if shard is not None and name in shard.slices:
+                shard.slices[sibling(name, SCALE)] = shard.slices[name].blocks(block, name)
         else:
             continue  # per-row scales: only Engram tables have them, dequantised at load
         parent, _, leaf = prefix.rpartition(".")

@@ -64,6 +64,16 @@ class TensorSlice:
     def take(self, t: torch.Tensor) -> torch.Tensor:
         return t.narrow(self.dim, self.start, self.stop - self.start)
 
+    def blocks(self, block: int, name: str) -> TensorSlice:
+        """The slice of a block-scale tensor that scales this slice of its weight: it must start and end on
+        block boundaries (a block's one scale cannot be shared by two ranks)."""
+        if self.start % block or self.stop % block:
+            raise ValueError(
+                f"{name}: the rank's slice [{self.start}, {self.stop}) of dimension {self.dim} does not fall "
+                f"on the FP8 block of {block}"
+            )
+        return TensorSlice(self.dim, self.start // block, self.stop // block)
+
     def read_into(self, entry: StoredTensor, target: torch.Tensor) -> None:
         """Read this slice of a stored tensor into ``target`` of its dtype: a row slice is one contiguous
         byte range of the file; other slices read the tensor (host peak: one tensor) and cut it."""
@@ -89,17 +99,20 @@ class ShardPlan:
     context: ParallelContext
     slices: dict[str, TensorSlice] = field(default_factory=dict)
     elsewhere: set[str] = field(default_factory=set)
+    row_parallel: list[str] = field(default_factory=list)  # linears whose partial outputs are all-reduced
 
 
-class RowParallelLinear(DenseLinear):
-    """A linear over this rank's slice of the input features; the partial products are summed in fp32."""
+def connect(model: nn.Module, plan: ShardPlan) -> None:
+    """Attach the collectives to the split linears once the loader has swapped in their final (dense or
+    packed) class: row-parallel outputs are summed over the ranks in fp32, the head's logits gathered."""
+    context = plan.context
 
-    def __init__(self, in_features: int, out_features: int, context: ParallelContext):
-        super().__init__(in_features, out_features)
-        self.context = context
+    def reduce(_module: nn.Module, _args: tuple, out: torch.Tensor) -> torch.Tensor:
+        return context.all_reduce(out.float()).to(out.dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.context.all_reduce(super().forward(x).float()).to(x.dtype)
+    for name in plan.row_parallel:
+        model.get_submodule(name).register_forward_hook(reduce)
+    model.head.register_forward_hook(lambda _module, _args, out: context.all_gather(out))
 
 
 class VocabParallelEmbedding(nn.Embedding):
@@ -115,17 +128,6 @@ class VocabParallelEmbedding(nn.Embedding):
         mine = (local >= 0) & (local < self.num_embeddings)
         out = F.embedding(torch.where(mine, local, 0), self.weight) * mine.unsqueeze(-1)
         return self.context.all_reduce(out)
-
-
-class VocabParallelHead(DenseLinear):
-    """Logits of this rank's vocabulary rows, gathered over the ranks into the whole vocabulary."""
-
-    def __init__(self, in_features: int, out_features: int, context: ParallelContext):
-        super().__init__(in_features, out_features)
-        self.context = context
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.context.all_gather(super().forward(x))
 
 
 class ExpertParallelMoE(nn.Module):
@@ -172,7 +174,8 @@ def check_divisible(cfg: ModelConfig, world: int) -> None:
 
 
 def shard_model(model: nn.Module, context: ParallelContext) -> ShardPlan:
-    """Replace, on ``meta``, the split modules of ``model`` by this rank's share (checkpoint names kept)."""
+    """Replace, on ``meta``, the split modules of ``model`` by this rank's share (checkpoint names kept);
+    ``connect`` then attaches the collectives of the linears."""
     cfg, plan = model.cfg, ShardPlan(context)
     check_divisible(cfg, context.world)
     with torch.device("meta"):
@@ -184,7 +187,7 @@ def shard_model(model: nn.Module, context: ParallelContext) -> ShardPlan:
         start, stop = _split(plan, "embed.weight", 0, cfg.vocab_size, "vocab_size")
         model.embed = VocabParallelEmbedding(start, stop, cfg.hidden_size, context)
         _split(plan, "head.weight", 0, cfg.vocab_size, "vocab_size")
-        model.head = VocabParallelHead(cfg.hidden_size, stop - start, context)
+        model.head = DenseLinear(cfg.hidden_size, stop - start)
     return plan
 
 
@@ -206,14 +209,17 @@ def _shard_attention(prefix: str, attn: SharedKVAttention, plan: ShardPlan) -> N
     attn.wq_b = DenseLinear(attn.wq_b.in_features, attn.heads * d)
     attn.attn_sink = nn.Parameter(torch.empty(attn.heads))
     attn.wo_a = DenseLinear(attn.wo_a.in_features, attn.groups * per_group)
-    attn.wo_b = RowParallelLinear(attn.groups * per_group, attn.wo_b.out_features, plan.context)
+    attn.wo_b = DenseLinear(attn.groups * per_group, attn.wo_b.out_features)
+    plan.row_parallel.append(f"{prefix}.wo_b")
 
 
 def _shard_moe(prefix: str, moe: MoE, plan: ShardPlan) -> ExpertParallelMoE:
     experts, hidden, inter, limit = moe.shape
     e0, e1 = plan.context.span(experts, "n_routed_experts")
     for e in (*range(e0), *range(e1, experts)):
-        plan.elsewhere.update(f"{prefix}.experts.{e}.{w}.weight" for w in ("w1", "w2", "w3"))
+        plan.elsewhere.update(
+            f"{prefix}.experts.{e}.{w}.{t}" for w in ("w1", "w2", "w3") for t in ("weight", "scale")
+        )
     shared = None
     if moe.shared_experts is not None:
         i0, i1 = _split(plan, f"{prefix}.shared_experts.w1.weight", 0, inter, "moe_intermediate_size")

@@ -6,6 +6,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from model.tiny import write_tiny
+
 
 @pytest.fixture(autouse=True, scope="module")
 def one_thread() -> Iterator[None]:
@@ -13,3 +15,9 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def fp8_tiny(tmp_path_factory: pytest.TempPathFactory):
+    """The tiny V4 with FP8 linears and MXFP4 routed experts."""
+    return write_tiny(tmp_path_factory.mktemp("fp8"), fp8=True)

@@ -9,17 +9,12 @@ import re
 import pytest
 import torch
 
-from model.checkpoint import build_model, load_model
+from model.checkpoint import build_model, load_model, plan_shard
 from model.config import ModelConfig
 from model.parallel import ParallelContext, shard_model
-from model.tiny import cached_tiny, write_tiny
+from model.tiny import cached_tiny
 
 WORLD = 2
-
-
-@pytest.fixture(scope="module")
-def fp8_path(tmp_path_factory):
-    return write_tiny(tmp_path_factory.mktemp("fp8"), fp8=True)
 
 
 def _plans(path, world: int = WORLD) -> list:
@@ -48,21 +43,31 @@ def test_a_model_that_does_not_divide_is_refused_naming_the_numbers():
         _plans(cached_tiny("v41"), world=3)
 
 
-@pytest.mark.parametrize(("arch", "fp8"), [("v4", False), ("v41", False), ("v4", True)])
-def test_a_rank_loads_exactly_its_slices_of_the_whole_model(fp8_path, arch: str, fp8: bool):
-    """Dense rows are read as byte ranges, columns cut after the read, FP8 dequantised then cut."""
-    path = fp8_path if fp8 else cached_tiny(arch)
-    quantization = "dense" if fp8 else "auto"
+@pytest.mark.parametrize(
+    ("arch", "fp8", "quantization"),
+    [("v4", False, "auto"), ("v41", False, "auto"), ("v4", True, "dense"), ("v4", True, "auto")],
+)
+def test_a_rank_loads_exactly_its_slices_of_the_whole_model(
+    fp8_tiny, arch: str, fp8: bool, quantization: str
+):
+    """Rows are read as byte ranges, columns cut after the read; FP8 either dequantised then cut, or kept
+    packed with the block scales of its slice; MXFP4 experts whole."""
+    path = fp8_tiny if fp8 else cached_tiny(arch)
     whole = load_model(path, quantization=quantization).official_state()
-    plan = _plans(path)[1]
+    _, _, plan = plan_shard(path, quantization=quantization, parallel=ParallelContext(1, WORLD))
     part = load_model(path, quantization=quantization, parallel=ParallelContext(1, WORLD)).official_state()
     for name, piece in plan.slices.items():
         assert torch.equal(part[name], piece.take(whole[name])), name
     for name in set(whole) - set(plan.slices) - plan.elsewhere:
         assert torch.equal(part[name], whole[name]), name
     assert not plan.elsewhere & set(part)
+    if fp8 and quantization == "auto":  # kept packed: E4M3 slices with their block scales
+        assert any(part[n].dtype == torch.float8_e4m3fn for n in plan.slices)
+        assert any(n.endswith(".scale") for n in plan.slices)
 
 
-def test_packed_weights_are_refused_under_tensor_parallelism(fp8_path):
-    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 loads dense weights only: .* fp8; use"):
-        load_model(fp8_path, parallel=ParallelContext(0, WORLD))
+def test_w8a8_is_refused_under_tensor_parallelism(fp8_tiny):
+    with pytest.raises(
+        ValueError, match=r"tensor_parallel_size=2 does not run W8A8 yet \(quantization=w8a8\)"
+    ):
+        load_model(fp8_tiny, quantization="w8a8", parallel=ParallelContext(0, WORLD))
