@@ -11,7 +11,7 @@ import torch
 
 from model.checkpoint import build_model, load_model, plan_shard
 from model.config import ModelConfig
-from model.parallel import ParallelContext, shard_model
+from model.parallel import ParallelContext, TensorSlice, shard_model
 from model.tiny import cached_tiny
 
 WORLD = 2
@@ -71,3 +71,11 @@ def test_w8a8_is_refused_under_tensor_parallelism(fp8_tiny):
         ValueError, match=r"tensor_parallel_size=2 does not run W8A8 yet \(quantization=w8a8\)"
     ):
         load_model(fp8_tiny, quantization="w8a8", parallel=ParallelContext(0, WORLD))
+
+
+def test_an_fp8_slice_off_the_block_boundary_is_refused_naming_it():
+    with pytest.raises(
+        ValueError, match=r"layers.0.attn.wo_a.weight: .* \[32, 64\) of dimension 0 .* block of 64"
+    ):
+        TensorSlice(0, 32, 64).blocks(64, "layers.0.attn.wo_a.weight")
+    assert TensorSlice(1, 64, 128).blocks(64, "w") == TensorSlice(1, 1, 2)
