@@ -4,6 +4,7 @@ embedding exact, and each rank holding half of the split tensors' bytes."""
 
 from __future__ import annotations
 
+import hashlib
 import re
 
 import pytest
@@ -13,6 +14,8 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from engine.workers import free_port, init_group
+from model.attention import Indexer
+from model.attention_v41 import Indexer41
 from model.checkpoint import load_model, plan_shard, stored_tensors
 from model.parallel import ParallelContext
 from model.tiny import cached_tiny
@@ -34,18 +37,31 @@ def _split_bytes(path: str, model: torch.nn.Module, context: ParallelContext) ->
     return resident, sum(stored[n].nbytes for n in split)
 
 
+def _record_topk(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Every indexer top-k the model computes from now on, in order (V4 indexers and V4.1 index sources)."""
+    picked: list[torch.Tensor] = []
+    for module in model.modules():
+        if isinstance(module, Indexer):
+            module.register_forward_hook(lambda _module, _args, out: picked.append(out))
+        elif isinstance(module, Indexer41):
+            module.select = lambda *args, select=module.select: picked.append(select(*args)) or picked[-1]
+    return picked
+
+
 def _results(rank: int, port: int, paths: dict[str, str]) -> dict:
-    """``{case: (logits, embedding exact, (resident, whole) bytes)}`` of one rank."""
+    """``{case: (logits, embedding exact, (resident, whole) bytes, (top-k digest, count))}`` of one rank."""
     context, _ = init_group(rank, WORLD, port, "cpu", 60.0)
     try:
         out = {}
         for case, path in paths.items():
             model = load_model(path, parallel=context)
+            picked = _record_topk(model)
             with torch.no_grad():
                 logits = model(torch.tensor(PROMPT))
                 table = model.embed(torch.arange(model.cfg.vocab_size))
             exact = torch.equal(table, stored_tensors(path)["embed.weight"].read())
-            out[case] = (logits, exact, _split_bytes(path, model, context))
+            topk = hashlib.sha256(b"".join(t.numpy().tobytes() for t in picked)).hexdigest(), len(picked)
+            out[case] = (logits, exact, _split_bytes(path, model, context), topk)
         return out
     finally:
         dist.destroy_process_group()
@@ -134,3 +150,9 @@ def test_each_rank_holds_half_of_the_split_weights(ranks: dict, case: str):
     for rank in range(WORLD):
         resident, whole = ranks[rank][case][2]
         assert abs(resident / whole - 1 / WORLD) <= 0.02 / WORLD, (rank, resident, whole)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_every_rank_picks_the_same_indexer_top_k(ranks: dict, case: str):
+    (digest, count), theirs = ranks[0][case][3], ranks[1][case][3]
+    assert count > 0 and (digest, count) == theirs
