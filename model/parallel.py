@@ -127,7 +127,7 @@ class VocabParallelEmbedding(nn.Embedding):
         local = ids - self.start
         mine = (local >= 0) & (local < self.num_embeddings)
         out = F.embedding(torch.where(mine, local, 0), self.weight) * mine.unsqueeze(-1)
-        return self.context.all_reduce(out)
+        return self.context.all_reduce(out.float()).to(out.dtype)  # fp32 on the wire: any backend sums it
 
 
 class ExpertParallelMoE(nn.Module):
