@@ -8,6 +8,7 @@ naming the rank, within the group's timeout.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import socket
 import threading
@@ -56,6 +57,27 @@ class WorkerSpec:
 
 
 @dataclass(frozen=True)
+class Rendezvous:
+    """Where the ranks meet (rank 0's machine and port) and how they spread over ``nnodes`` machines,
+    ``world / nnodes`` consecutive ranks each; one machine meets on a free local port."""
+
+    addr: str = "127.0.0.1"
+    port: int = 0
+    nnodes: int = 1
+    node_rank: int = 0
+
+    def ranks_here(self, world: int) -> range:
+        if self.nnodes < 1 or world % self.nnodes:
+            raise ValueError(f"tensor_parallel_size={world} does not divide over nnodes={self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank={self.node_rank} must be in [0, {self.nnodes})")
+        if self.nnodes > 1 and not self.port:
+            raise ValueError(f"nnodes={self.nnodes}: the nodes meet on a given master port, not port 0")
+        per_node = world // self.nnodes
+        return range(self.node_rank * per_node, (self.node_rank + 1) * per_node)
+
+
+@dataclass(frozen=True)
 class RequestRef:
     id: str
 
@@ -88,16 +110,21 @@ def free_port() -> int:
 
 
 def init_group(
-    rank: int, world: int, port: int, device: str, timeout_s: float, watch: Callable[[], None] | None = None
+    rank: int,
+    world: int,
+    meet: Rendezvous,
+    device: str,
+    timeout_s: float,
+    watch: Callable[[], None] | None = None,
 ) -> tuple[ParallelContext, dist.ProcessGroup]:
-    """Join the group on this machine's ``port``; returns the model's context and the CPU group the step
-    plans travel on. Rank 0 hosts the store and calls ``watch`` while it waits for the others to join,
-    so a worker that dies before joining fails the start at once rather than after the timeout."""
+    """Join the group at ``meet``; returns the model's context and the CPU group the step plans travel
+    on. Rank 0 hosts the store and calls ``watch`` while it waits for the others to join, so a worker
+    that dies before joining fails the start at once rather than after the timeout."""
     backend = BACKENDS[device]
     if device != "cpu":
-        getattr(torch, device).set_device(rank)
+        getattr(torch, device).set_device(rank % (world // meet.nnodes))  # the device on its own machine
     timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout, wait_for_workers=False)
+    store = dist.TCPStore(meet.addr, meet.port, world, rank == 0, timeout, wait_for_workers=False)
     if rank == 0:
         deadline = time.monotonic() + timeout_s
         while store.add("joined", 0) < world - 1:
@@ -141,25 +168,21 @@ def cache_checksums(pools: KVPools) -> dict[str, str]:
 class Workers:
     """Rank 0's handle on the spawned ranks: start-up, the step broadcast, the health check, shutdown."""
 
-    def __init__(self, world: int, spec: WorkerSpec):
+    def __init__(self, world: int, spec: WorkerSpec, meet: Rendezvous = Rendezvous()):
+        """Spawn this machine's ranks after 0 (the others start with ``serve_node`` on their machines)."""
         check_divisible(ModelConfig.from_file(spec.path), world)  # before any process starts
         self.world, self.spec, self.closed = world, spec, False
         self.failed: WorkerFailed | None = None
         self.on_failure: Callable[[WorkerFailed], None] | None = None
-        port, spawn = free_port(), mp.get_context("spawn")
-        self.processes = [
-            spawn.Process(
-                target=worker_main, args=(rank, world, port, spec), daemon=True, name=f"tp-rank-{rank}"
-            )
-            for rank in range(1, world)
-        ]
-        for process in self.processes:
-            process.start()
+        self.ranks = list(meet.ranks_here(world))[1:]
+        meet = dataclasses.replace(meet, port=meet.port or free_port())
+        self.processes = _spawn(self.ranks, world, meet, spec.device, spec.timeout_s)
         try:
             with self.guard():
                 self.context, self.control = init_group(
-                    0, world, port, spec.device, spec.timeout_s, self.check
+                    0, world, meet, spec.device, spec.timeout_s, self.check
                 )
+                dist.broadcast_object_list([spec], src=0, group=self.control)  # what every rank loads
         except BaseException:
             self.close()
             raise
@@ -191,7 +214,7 @@ class Workers:
         """Raise ``WorkerFailed`` naming the first rank whose process has exited (or the group's failure)."""
         if self.failed is not None:
             raise self.failed
-        for rank, process in enumerate(self.processes, start=1):
+        for rank, process in zip(self.ranks, self.processes, strict=True):
             if not process.is_alive():
                 self._fail(WorkerFailed(f"tensor-parallel rank {rank} exited with code {process.exitcode}"))
 
@@ -290,13 +313,14 @@ def load_ranks(
     device: torch.device,
     config: EngineConfig,
     quantization: str = "auto",
+    meet: Rendezvous = Rendezvous(),
 ) -> tuple[CausalLM, Workers | None]:
     """Rank 0's model and, with ``config.tensor_parallel_size`` > 1, the started workers holding the
     other shards (closed again if anything fails on the way)."""
     if config.tensor_parallel_size == 1:
         return load_model(path, dtype, device, quantization), None
     spec = WorkerSpec(str(path), dtype, device.type, config, quantization)
-    workers = Workers(config.tensor_parallel_size, spec)
+    workers = Workers(config.tensor_parallel_size, spec, meet)
     try:
         model = load_model(path, dtype, device, quantization, parallel=workers.context)
         workers.ready()
@@ -306,10 +330,39 @@ def load_ranks(
     return model, workers
 
 
-def worker_main(rank: int, world: int, port: int, spec: WorkerSpec) -> None:
-    """A spawned rank: load the shard, then run rank 0's step plans until it says stop."""
+def _spawn(ranks: list[int], world: int, meet: Rendezvous, device: str, timeout_s: float) -> list:
+    spawn = mp.get_context("spawn")
+    processes = [
+        spawn.Process(
+            target=worker_main,
+            args=(rank, world, meet, device, timeout_s),
+            daemon=True,
+            name=f"tp-rank-{rank}",
+        )
+        for rank in ranks
+    ]
+    for process in processes:
+        process.start()
+    return processes
+
+
+def serve_node(world: int, meet: Rendezvous, device: str, timeout_s: float = 60.0) -> int:
+    """Run the ranks of a machine other than rank 0's until rank 0 stops them; the exit status is the
+    first failing rank's (0 when all stopped cleanly)."""
+    processes = _spawn(list(meet.ranks_here(world)), world, meet, device, timeout_s)
+    for process in processes:
+        process.join()
+    return next((p.exitcode for p in processes if p.exitcode), 0)
+
+
+def worker_main(rank: int, world: int, meet: Rendezvous, device: str, timeout_s: float) -> None:
+    """A spawned rank: join, receive rank 0's ``WorkerSpec``, load the shard, then run rank 0's step
+    plans until it says stop."""
+    context, control = init_group(rank, world, meet, device, timeout_s)
+    received = [None]
+    dist.broadcast_object_list(received, src=0, group=control)
+    spec: WorkerSpec = received[0]
     torch.set_num_threads(spec.threads)
-    context, control = init_group(rank, world, port, spec.device, spec.timeout_s)
     runner, error = None, None
     try:
         model = load_model(spec.path, spec.dtype, spec.device, spec.quantization, parallel=context)

@@ -117,6 +117,12 @@ def build_parser() -> argparse.ArgumentParser:
     parallel = p.add_argument_group("parallelism (tensor parallel, experts split inside the group)")
     for name, short in (("tensor", "tp"), ("data", "dp"), ("pipeline", "pp")):
         parallel.add_argument(f"--{name}-parallel-size", f"-{short}", type=int, default=1)
+    parallel.add_argument("--nnodes", type=int, default=1, help="machines the tensor-parallel ranks span")
+    parallel.add_argument("--node-rank", type=int, default=0,
+                          help="this machine's place: 0 serves, the others only run their ranks")  # fmt: skip
+    parallel.add_argument("--master-addr", default="127.0.0.1", help="node 0's address, where the ranks meet")
+    parallel.add_argument("--master-port", type=int, default=0,
+                          help="the port the ranks meet on (needed with --nnodes > 1)")  # fmt: skip
     parallel.add_argument("--enable-expert-parallel", action="store_true",
                           help="accepted: under tensor parallelism the experts are always split")  # fmt: skip
 

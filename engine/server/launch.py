@@ -24,7 +24,7 @@ from engine.server.app import build_app
 from engine.server.args import non_default
 from engine.server.protocol import GENERATION_FIELDS
 from engine.server.shutdown import FLUSH_TIMEOUT, GracefulServer
-from engine.workers import load_ranks
+from engine.workers import Rendezvous, load_ranks, serve_node
 from model.chat_profile import select_chat_profile
 from model.checkpoint import DESCRIPTION_FILE, placement
 from model.config import ModelConfig
@@ -87,7 +87,7 @@ def start_engine(args: argparse.Namespace, path: Path) -> LLMEngine:
     cached = args.enable_prefix_caching  # default: on with one rank (tensor parallel runs without it)
     flags.update(kv_cache_memory=plan.kv_bytes, enable_prefix_caching=cached or (cached is None and tp == 1))
     config = EngineConfig(**flags)
-    model, workers = load_ranks(path, dtype, device, config, quantization)
+    model, workers = load_ranks(path, dtype, device, config, quantization, rendezvous(args))
     engine = LLMEngine(model, load_tokenizer(path), config, workers=workers)
     per_request = engine.cache.max_blocks(
         args.max_model_len + engine.lookahead, args.max_num_batched_tokens + engine.lookahead
@@ -114,7 +114,18 @@ def plan_line(engine: LLMEngine) -> str:
     )
 
 
+def rendezvous(args: argparse.Namespace) -> Rendezvous:
+    return Rendezvous(args.master_addr, args.master_port, args.nnodes, args.node_rank)
+
+
 def serve(args: argparse.Namespace, sock: socket.socket) -> None:
+    if args.node_rank:  # a machine after the first: only its tensor-parallel ranks, no HTTP
+        sock.close()
+        try:
+            device, _ = placement(args.device, args.dtype)
+            raise SystemExit(serve_node(args.tensor_parallel_size, rendezvous(args), device.type))
+        except ValueError as err:
+            raise SystemExit(f"error: {err}") from None
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     # The engine thread's Python work (scheduling, sampling) holds the GIL between torch calls; handing

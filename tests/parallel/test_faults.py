@@ -10,7 +10,16 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.workers import RankReport, WorkerFailed, Workers, WorkerSpec
+from engine.workers import (
+    RankReport,
+    Rendezvous,
+    WorkerFailed,
+    Workers,
+    WorkerSpec,
+    _spawn,
+    free_port,
+    init_group,
+)
 from model.tiny import cached_tiny
 
 CONFIG = EngineConfig(tensor_parallel_size=2, enable_prefix_caching=False, kv_cache_memory=2**20)
@@ -20,9 +29,17 @@ def _spec(**fields) -> WorkerSpec:
     return WorkerSpec(str(cached_tiny("v41")), torch.float32, "cpu", CONFIG, **fields)
 
 
-def test_a_worker_that_dies_before_joining_fails_the_start_naming_it():
+def test_rank_0_stops_waiting_when_a_worker_dies_before_joining():
+    """What ``Workers`` does while its ranks join: a dead worker ends the wait at once."""
+    meet = Rendezvous(port=free_port())
+    (worker,) = _spawn([1], 2, meet, "tpu", 60.0)  # no such backend: it exits before it joins
+
+    def watch() -> None:
+        if not worker.is_alive():
+            raise WorkerFailed(f"tensor-parallel rank 1 exited with code {worker.exitcode}")
+
     with pytest.raises(WorkerFailed, match="tensor-parallel rank 1 exited with code 1"):
-        Workers(2, _spec(threads=0))  # the worker's torch.set_num_threads(0) raises before it joins
+        init_group(0, 2, meet, "cpu", 60.0, watch)
 
 
 def test_a_worker_that_cannot_load_is_reported_with_its_error():
@@ -32,13 +49,14 @@ def test_a_worker_that_cannot_load_is_reported_with_its_error():
     assert workers.closed
 
 
-def test_a_worker_that_stops_answering_fails_the_step_after_the_timeout():
-    workers = Workers(2, _spec(timeout_s=5.0))  # also bounds the load before ready()
+def test_a_worker_that_stops_answering_fails_rank_0_after_the_timeout():
+    workers = Workers(2, _spec(timeout_s=3.0))
     (worker,) = workers.processes
     try:
-        workers.ready()
-        os.kill(worker.pid, signal.SIGSTOP)
+        os.kill(worker.pid, signal.SIGSTOP)  # joined, now silent: it never reports its shard loaded
         with pytest.raises(WorkerFailed, match=r"a step with tensor-parallel rank\(s\) 1 failed"):
+            workers.ready()
+        with pytest.raises(WorkerFailed):  # the group is done for: no further step is tried
             workers.reports(RankReport(0, 0, {}))
     finally:
         os.kill(worker.pid, signal.SIGCONT)

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from engine.workers import free_port, init_group
+from engine.workers import Rendezvous, free_port, init_group
 from model.attention import Indexer
 from model.attention_v41 import Indexer41
 from model.checkpoint import load_model, plan_shard, stored_tensors
@@ -50,7 +50,7 @@ def _record_topk(model: torch.nn.Module) -> list[torch.Tensor]:
 
 def _results(rank: int, port: int, paths: dict[str, str]) -> dict:
     """``{case: (logits, embedding exact, (resident, whole) bytes, (top-k digest, count))}`` of one rank."""
-    context, _ = init_group(rank, WORLD, port, "cpu", 60.0)
+    context, _ = init_group(rank, WORLD, Rendezvous(port=port), "cpu", 60.0)
     try:
         out = {}
         for case, path in paths.items():
