@@ -38,15 +38,23 @@ def test_rank_0_stops_waiting_when_a_worker_dies_before_joining():
         if not worker.is_alive():
             raise WorkerFailed(f"tensor-parallel rank 1 exited with code {worker.exitcode}")
 
-    with pytest.raises(WorkerFailed, match="tensor-parallel rank 1 exited with code 1"):
-        init_group(0, 2, meet, "cpu", 60.0, watch)
+    try:
+        with pytest.raises(WorkerFailed, match="tensor-parallel rank 1 exited with code 1"):
+            init_group(0, 2, meet, "cpu", 60.0, watch)
+    finally:
+        worker.join(timeout=10)
+        if worker.is_alive():
+            worker.kill()
 
 
 def test_a_worker_that_cannot_load_is_reported_with_its_error():
     workers = Workers(2, _spec(quantization="int3"))
-    with pytest.raises(ValueError, match=r"tensor-parallel rank 1: ValueError: quantization='int3'"):
-        workers.ready()
-    assert workers.closed
+    try:
+        with pytest.raises(ValueError, match=r"tensor-parallel rank 1: ValueError: quantization='int3'"):
+            workers.ready()
+        assert workers.closed
+    finally:
+        workers.close()
 
 
 def test_a_worker_that_stops_answering_fails_rank_0_after_the_timeout():
