@@ -35,6 +35,8 @@ from model.parallel import ParallelContext, check_divisible
 
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 STEP, REPORT, STOP = "step", "report", "stop"
+JOIN_TIMEOUT_S = 300.0  # for the ranks to start (a fresh interpreter importing torch) and join the group
+LOAD_TIMEOUT_S = 3600.0  # for every rank to read its shard (hundreds of GB for the large checkpoints)
 
 
 class WorkerFailed(RuntimeError):
@@ -50,7 +52,7 @@ class WorkerSpec:
     device: str
     config: EngineConfig
     quantization: str = "auto"
-    timeout_s: float = 60.0
+    timeout_s: float = 60.0  # how long a collective waits for a silent rank
     # Replicated layers must compute bit-identical caches on every rank: on the CPU a matmul's result
     # depends on its thread count, so every rank uses rank 0's.
     threads: int = field(default_factory=torch.get_num_threads)
@@ -116,28 +118,30 @@ def init_group(
     device: str,
     timeout_s: float,
     watch: Callable[[], None] | None = None,
-) -> tuple[ParallelContext, dist.ProcessGroup]:
-    """Join the group at ``meet``; returns the model's context and the CPU group the step plans travel
-    on. Rank 0 hosts the store and calls ``watch`` while it waits for the others to join, so a worker
-    that dies before joining fails the start at once rather than after the timeout."""
+) -> tuple[ParallelContext, dist.ProcessGroup, dist.Store]:
+    """Join the group at ``meet``; returns the model's context, the CPU group the step plans travel on
+    and the group's store. Rank 0 hosts the store and calls ``watch`` while it waits for the others to
+    join, so a worker that dies before joining fails the start at once rather than after the timeout."""
     backend = BACKENDS[device]
     if device != "cpu":
         getattr(torch, device).set_device(rank % (world // meet.nnodes))  # the device on its own machine
     timeout = timedelta(seconds=timeout_s)
     store = dist.TCPStore(meet.addr, meet.port, world, rank == 0, timeout, wait_for_workers=False)
     if rank == 0:
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
         while store.add("joined", 0) < world - 1:
             if watch is not None:
                 watch()
             if time.monotonic() > deadline:
-                raise WorkerFailed(f"the tensor-parallel ranks did not all join within {timeout_s:.0f} s")
+                raise WorkerFailed(
+                    f"the tensor-parallel ranks did not all join within {JOIN_TIMEOUT_S:.0f} s"
+                )
             time.sleep(0.05)
     else:
         store.add("joined", 1)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     control = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
-    return ParallelContext(rank, world), control
+    return ParallelContext(rank, world), control, store
 
 
 @dataclass(frozen=True)
@@ -179,7 +183,7 @@ class Workers:
         self.processes = _spawn(self.ranks, world, meet, spec.device, spec.timeout_s)
         try:
             with self.guard():
-                self.context, self.control = init_group(
+                self.context, self.control, self.store = init_group(
                     0, world, meet, spec.device, spec.timeout_s, self.check
                 )
                 dist.broadcast_object_list([spec], src=0, group=self.control)  # what every rank loads
@@ -188,12 +192,24 @@ class Workers:
             raise
 
     def ready(self) -> None:
-        """Wait for every worker's shard to load; a worker's load error is raised here, naming its rank."""
-        with self.guard():
-            errors = self._gather(None)
-        if failed := [(rank, err) for rank, err in enumerate(errors) if err]:
+        """Wait for every worker's shard to load, watching the processes (a load may take far longer than a
+        collective's timeout); a worker's load error is raised here, naming its rank."""
+        deadline, errors = time.monotonic() + LOAD_TIMEOUT_S, []
+        try:
+            for rank in range(1, self.world):
+                while not self.store.check([f"loaded/{rank}"]):
+                    self.check()
+                    if time.monotonic() > deadline:
+                        self._fail(WorkerFailed(f"tensor-parallel rank {rank} did not load in time"))
+                    time.sleep(0.05)
+                if error := self.store.get(f"loaded/{rank}").decode():
+                    errors.append(f"tensor-parallel rank {rank}: {error}")
+        except BaseException:
             self.close()
-            raise ValueError("; ".join(f"tensor-parallel rank {rank}: {err}" for rank, err in failed))
+            raise
+        if errors:
+            self.close()
+            raise ValueError("; ".join(errors))
 
     def broadcast(self, plan: StepPlan) -> None:
         self.check()
@@ -358,7 +374,7 @@ def serve_node(world: int, meet: Rendezvous, device: str, timeout_s: float = 60.
 def worker_main(rank: int, world: int, meet: Rendezvous, device: str, timeout_s: float) -> None:
     """A spawned rank: join, receive rank 0's ``WorkerSpec``, load the shard, then run rank 0's step
     plans until it says stop."""
-    context, control = init_group(rank, world, meet, device, timeout_s)
+    context, control, store = init_group(rank, world, meet, device, timeout_s)
     received = [None]
     dist.broadcast_object_list(received, src=0, group=control)
     spec: WorkerSpec = received[0]
@@ -373,7 +389,7 @@ def worker_main(rank: int, world: int, meet: Rendezvous, device: str, timeout_s:
         )
     except Exception as err:  # reported to rank 0, which raises it naming this rank
         error = f"{type(err).__name__}: {err}"
-    dist.all_gather_object([None] * world, error, group=control)
+    store.set(f"loaded/{rank}", error or "")
     while runner is not None:
         received = [None]
         dist.broadcast_object_list(received, src=0, group=control)

@@ -50,7 +50,7 @@ def _record_topk(model: torch.nn.Module) -> list[torch.Tensor]:
 
 def _results(rank: int, port: int, paths: dict[str, str]) -> dict:
     """``{case: (logits, embedding exact, (resident, whole) bytes, (top-k digest, count))}`` of one rank."""
-    context, _ = init_group(rank, WORLD, Rendezvous(port=port), "cpu", 60.0)
+    context, _, _ = init_group(rank, WORLD, Rendezvous(port=port), "cpu", 60.0)
     try:
         out = {}
         for case, path in paths.items():
