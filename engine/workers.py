@@ -52,7 +52,7 @@ class WorkerSpec:
     device: str
     config: EngineConfig
     quantization: str = "auto"
-    timeout_s: float = 60.0  # how long a collective waits for a silent rank
+    timeout_s: float = 300.0  # how long a collective waits for a silent rank (first steps compile kernels)
     # Replicated layers must compute bit-identical caches on every rank: on the CPU a matmul's result
     # depends on its thread count, so every rank uses rank 0's.
     threads: int = field(default_factory=torch.get_num_threads)
@@ -362,7 +362,7 @@ def _spawn(ranks: list[int], world: int, meet: Rendezvous, device: str, timeout_
     return processes
 
 
-def serve_node(world: int, meet: Rendezvous, device: str, timeout_s: float = 60.0) -> int:
+def serve_node(world: int, meet: Rendezvous, device: str, timeout_s: float = 300.0) -> int:
     """Run the ranks of a machine other than rank 0's until rank 0 stops them; the exit status is the
     first failing rank's (0 when all stopped cleanly)."""
     processes = _spawn(list(meet.ranks_here(world)), world, meet, device, timeout_s)
