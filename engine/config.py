@@ -14,7 +14,8 @@ SPECULATIVE_ALIASES = {"mtp": "mtp", "deepseek_mtp": "mtp", "dspark": "dspark"}
 def _flag(default: Any, help: str, **cli: Any) -> Any:
     """An engine field and its server flag ``--field-name``: the help, and how the flag reads its value
     (``unit``: ``tokens`` as 64k / ``bytes`` as 8GiB; ``choices``; ``unset``: the flag defaults to None,
-    meaning the field's default, so another flag can stand in for it)."""
+    meaning the field's default, so another flag can stand in for it; ``cli=False``: declared by hand with
+    its siblings, as ``--tensor-parallel-size`` is beside vLLM's other parallel flags)."""
     return field(default=default, metadata={"help": help, **cli})
 
 
@@ -33,9 +34,17 @@ class EngineConfig:
     speculative_method: str | None = _flag(None, "mtp (V4) or dspark (V4.1)", choices=SPECULATIVE_METHODS)
     num_speculative_tokens: int | None = _flag(None, "drafts per step (default: 1 for mtp, the DSpark block)")
     dspark_min_confidence: float = _flag(0.0, "verify DSpark drafts while their confidence product >= this")
-    enable_prefix_caching: bool = _flag(True, "reuse the KV of cached prompt prefixes, in pages")
+    enable_prefix_caching: bool | None = _flag(None, "reuse the KV of cached prompt prefixes, in pages "
+                                               "(default: on with one rank)")  # fmt: skip
     prefix_page_size: int = _flag(256, "tokens per cached page: a multiple of every compress ratio, at least "
                                   "the sliding window")  # fmt: skip
+    tensor_parallel_size: int = _flag(1, "ranks the model is split over, one process each", cli=False)
+
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether prefix caching is on: as asked, else on with one rank (not yet under tensor parallel)."""
+        asked = self.enable_prefix_caching
+        return self.tensor_parallel_size == 1 if asked is None else asked
 
     @property
     def lookahead(self) -> int:
@@ -44,7 +53,8 @@ class EngineConfig:
         return (self.num_speculative_tokens or 1) if self.speculative_method == "mtp" else 0
 
     def __post_init__(self) -> None:
-        counts = ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "prefix_page_size")
+        counts = ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "prefix_page_size",
+                  "tensor_parallel_size")  # fmt: skip
         for name in counts:
             if (value := getattr(self, name)) < 1:
                 raise ValueError(f"{name}={value} must be at least 1")
@@ -60,3 +70,8 @@ class EngineConfig:
             )
         if self.num_speculative_tokens is not None and not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens} must be in [1, 16]")
+        if self.tensor_parallel_size > 1 and (self.speculative_method or self.enable_prefix_caching):
+            raise ValueError(
+                f"tensor_parallel_size={self.tensor_parallel_size} runs without speculative decoding and "
+                "prefix caching for now: set speculative_method=None and enable_prefix_caching=False"
+            )

@@ -9,6 +9,7 @@ one prompt or a list. ``SamplingParams(n=K)`` gives K outputs per prompt, output
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,9 +20,10 @@ from tqdm import tqdm
 from engine.config import SPECULATIVE_ALIASES, EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.request import Request, SamplingParams
+from engine.workers import load_ranks
 from model.chat import encode_messages
 from model.chat_profile import select_chat_profile
-from model.checkpoint import load_model, loader_quantization, placement
+from model.checkpoint import loader_quantization, placement
 from model.tokenizer import load_tokenizer, prompt_ids
 
 Prompt = str | list[int] | dict[str, Any]
@@ -64,10 +66,9 @@ class LLM:
         ``max_num_batched_tokens``, ``block_size``, ``seed``, ...); ``dtype`` auto is bfloat16 on npu / cuda
         and float32 on cpu, ``device`` defaults to the accelerator present, ``quantization`` is the
         checkpoint's own format (``fp8``, ``ascend``; None: whatever it stores) or ``w8a8`` (requantise an FP8
-        checkpoint to int8 at load); ``trust_remote_code`` and
-        ``enforce_eager`` are accepted as vLLM's and change nothing here."""
-        if tensor_parallel_size != 1:
-            raise ValueError(f"tensor_parallel_size={tensor_parallel_size}: one device for now (1)")
+        checkpoint to int8 at load); ``trust_remote_code`` and ``enforce_eager`` are accepted as vLLM's and
+        change nothing here. ``tensor_parallel_size`` N > 1 spawns N - 1 worker processes (``close()`` ends
+        them); prefix caching is then off by default."""
         where, compute_dtype = placement(device, dtype)
         known = {f.name for f in dataclasses.fields(EngineConfig)}
         if unknown := sorted(set(engine_args) - known):
@@ -84,9 +85,22 @@ class LLM:
             from model.tiny import cached_tiny
 
             model = cached_tiny("v41")
-        built = load_model(model, compute_dtype, where, loader_quantization(model, quantization))
-        self.engine = LLMEngine(built, load_tokenizer(model), EngineConfig(**engine_args))
+        config = EngineConfig(tensor_parallel_size=tensor_parallel_size, **engine_args)
+        quantization = loader_quantization(model, quantization)
+        built, self.workers = load_ranks(model, compute_dtype, where, config, quantization)
+        if self.workers:
+            weakref.finalize(self, self.workers.close)
+        try:
+            self.engine = LLMEngine(built, load_tokenizer(model), config, workers=self.workers)
+        except BaseException:
+            self.close()
+            raise
         self.chat_profile = select_chat_profile(built.cfg.model_type, Path(model), chat_encoding)
+
+    def close(self) -> None:
+        """End the tensor-parallel workers, if any (also done when the LLM is garbage-collected)."""
+        if self.workers:
+            self.workers.close()
 
     def generate(
         self,

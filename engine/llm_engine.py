@@ -20,6 +20,7 @@ from engine.scheduler import ScheduledChunk, Scheduler
 from engine.spec_decode import build_proposer
 from engine.spec_decode.proposer import Observation, Proposer
 from engine.spec_decode.stats import SpecDecodeStats
+from engine.workers import LeaderRunner, Workers
 from model.cache import BoundaryState, SeqCache, cache_groups
 from model.causal_lm import CausalLM
 from triton_kernels.tuning import load_tuned_files
@@ -44,15 +45,19 @@ class LLMEngine:
         tokenizer: Tokenizer,
         config: EngineConfig,
         proposer: Proposer | None = None,
+        workers: Workers | None = None,
     ):
-        """``proposer`` replaces the one ``config.speculative_method`` names (tests, benchmarks)."""
+        """``proposer`` replaces the one ``config.speculative_method`` names (tests, benchmarks);
+        ``workers``: the other tensor-parallel ranks, which run each step's forward with this one."""
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.tuned_files = load_tuned_files()  # a bad file fails here, before any request
         groups = cache_groups(model.cfg, model.embed.weight.element_size())
         self.cache = KVCacheManager.from_budget(
             groups, config.block_size, config.kv_cache_memory, self._prefix_cache(model, config)
         )
-        self.runner = ModelRunner(model, self.cache)
+        self.runner = (
+            ModelRunner(model, self.cache) if workers is None else LeaderRunner(model, self.cache, workers)
+        )
         self.sampler = Sampler(config.seed, model.cfg.eos_token_id)
         self.proposer, self.num_drafts = build_proposer(
             config, model, self.runner.pools, self.sampler, proposer
@@ -69,7 +74,7 @@ class LLMEngine:
 
     @staticmethod
     def _prefix_cache(model: CausalLM, config: EngineConfig) -> PrefixCache | None:
-        if not config.enable_prefix_caching:
+        if not config.prefix_caching:
             return None
         cfg = model.cfg
         check_page_size(config.prefix_page_size, tuple(cfg.compress_ratios), cfg.sliding_window)

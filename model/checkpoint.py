@@ -31,6 +31,7 @@ from model.deepseek_v4 import DeepseekV4
 from model.deepseek_v41 import DeepseekV41
 from model.engram import Engram, compressed_token_map
 from model.moe import MoE
+from model.parallel import ParallelContext, ShardPlan, connect, shard_model
 from model.quant import dequantize_fp4, dequantize_fp8
 from model.quant_linear import DenseLinear, Fp8Linear, Int8Linear, Mxfp4Linear
 from model.shards import StoredTensor, read_headers
@@ -240,13 +241,15 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     quantization: str = "auto",
+    parallel: ParallelContext | None = None,
 ) -> CausalLM:
     """The checkpoint's model on ``device``, computing in ``dtype`` (fp32 or bf16; the tensors of
-    model-spec §9.1 stay fp32), its quantised weights kept as ``quantization`` says."""
-    model, stored = plan_model(path, dtype, quantization)
+    model-spec §9.1 stay fp32), its quantised weights kept as ``quantization`` says; with ``parallel``
+    over several ranks, this rank's share only, read from the checkpoint as slices."""
+    model, stored, shard = plan_shard(path, dtype, quantization, parallel)
     model = model.to_empty(device=device)
     with torch.no_grad():
-        stream_weights(stored, model.official_state(), model.cfg.fp8_block)
+        stream_weights(stored, model.official_state(), model.cfg.fp8_block, shard)
     model.init_buffers()
     return model.requires_grad_(False).eval()  # inference only
 
@@ -256,6 +259,18 @@ def plan_model(
 ) -> tuple[CausalLM, dict[str, StoredTensor]]:
     """The model on ``meta`` exactly as ``load_model`` will fill it (packed layers swapped in, parameter
     dtypes set) and the checkpoint's tensors, all from the headers: every check done, no byte read."""
+    model, stored, _ = plan_shard(path, dtype, quantization)
+    return model, stored
+
+
+def plan_shard(
+    path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    quantization: str = "auto",
+    parallel: ParallelContext | None = None,
+) -> tuple[CausalLM, dict[str, StoredTensor], ShardPlan | None]:
+    """``plan_model``, cut down to one rank's share when ``parallel`` spans several ranks (with the
+    ``ShardPlan`` the loader follows; split FP8 weights keep their stored bytes and block scales)."""
     if dtype not in COMPUTE_DTYPES:
         raise ValueError(f"dtype={dtype}: the model computes in {' or '.join(map(str, COMPUTE_DTYPES))}")
     if quantization not in QUANTIZATIONS:
@@ -270,17 +285,32 @@ def plan_model(
     )
     check_scales(stored, cfg.fp8_block)
     check_description(path, stored)
-    pack_linears(model, stored, cfg.fp8_block, quantization)
+    shard = None
+    if parallel is not None and parallel.world > 1:
+        int8 = next((n for n in weight_names(stored) if stored_format(n, stored) == INT8), None)
+        if quantization == "w8a8" or int8:
+            raise ValueError(
+                f"tensor_parallel_size={parallel.world} does not run W8A8 yet ({int8 or 'quantization=w8a8'})"
+            )
+        shard = shard_model(model, parallel)
+    pack_linears(model, stored, cfg.fp8_block, quantization, shard)
+    if shard is not None:
+        connect(model, shard)
     for name, param in model.named_parameters():
         param.data = param.data.to(parameter_dtype(name, dtype))  # still on meta: no bytes yet
-    return model, stored
+    return model, stored, shard
 
 
 def pack_linears(
-    model: nn.Module, stored: dict[str, StoredTensor], block: int | None, quantization: str
+    model: nn.Module,
+    stored: dict[str, StoredTensor],
+    block: int | None,
+    quantization: str,
+    shard: ShardPlan | None = None,
 ) -> None:
     """Swap, on ``meta``, each linear the checkpoint stores quantised for the packed layer that keeps it
-    so (``auto``) or for int8 W8A8 (``w8a8``); MXFP4 routed experts are stacked for ``moe_gemm``, and FP8
+    so (``auto``) or for int8 W8A8 (``w8a8``); MXFP4 routed experts are stacked for ``moe_gemm`` (one by
+    one under a ``shard``, whose split FP8 weights read their slices of the block scales too), and FP8
     Engram tables stay FP8 (only the rows a step reads are decoded)."""
     if quantization == "dense":
         return
@@ -298,12 +328,15 @@ def pack_linears(
         fmt, shape = stored_format(name, stored), (module.in_features, module.out_features)
         if fmt == DENSE:
             continue
+        out, cols = unpacked_shape(name, stored)  # the whole tensor's, where a shard holds a slice
         if quantization == "w8a8" or fmt == INT8:
             packed = Int8Linear(*shape)
         elif fmt == MXFP4:
             packed = Mxfp4Linear(*shape)
-        elif tuple(stored[sibling(name, SCALE)].shape) == (-(-shape[1] // block), -(-shape[0] // block)):
+        elif tuple(stored[sibling(name, SCALE)].shape) == (-(-out // block), -(-cols // block)):
             packed = Fp8Linear(*shape, block)
+            if shard is not None and name in shard.slices:
+                shard.slices[sibling(name, SCALE)] = shard.slices[name].blocks(block, name)
         else:
             continue  # FP8 with per-row scales on a linear: dequantised at load
         parent, _, leaf = prefix.rpartition(".")
@@ -311,18 +344,26 @@ def pack_linears(
 
 
 def stream_weights(
-    stored: dict[str, StoredTensor], targets: dict[str, torch.Tensor], block: int | None
+    stored: dict[str, StoredTensor],
+    targets: dict[str, torch.Tensor],
+    block: int | None,
+    shard: ShardPlan | None = None,
 ) -> None:
     """Fill every target, shard by shard in byte order: bytes the model keeps as stored are read into
-    their tensor directly; the others are read with their scales and converted one weight at a time."""
+    their tensor directly; the others are read with their scales and converted one weight at a time.
+    With a ``shard``, split tensors are read as this rank's slice and other ranks' tensors skipped."""
+    slices, elsewhere = (shard.slices, shard.elsewhere) if shard else ({}, set())
     filled: set[str] = set()
     for name, entry in stored.items():
-        target = targets.get(name)
-        if target is not None and _same_bytes(entry, target):
+        target, part = targets.get(name), slices.get(name)
+        if part is not None and entry.dtype == target.dtype:
+            part.read_into(entry, target)
+            filled.add(name)
+        elif part is None and target is not None and _same_bytes(entry, target):
             entry.read_into(target)
             filled.add(name)
     for name in weight_names(stored):
-        if name in filled:
+        if name in filled or name in elsewhere:
             continue
         parts = {n: stored[n].read() for n in (name, *(sibling(name, s) for s in _SIBLINGS)) if n in stored}
         target = targets[name]
@@ -333,7 +374,8 @@ def stream_weights(
             targets[sibling(name, W8A8_OFFSET)].zero_()
             filled.update((sibling(name, W8A8_SCALE), sibling(name, W8A8_OFFSET)))
         else:
-            target.copy_(unpack(name, parts, block, target.dtype))
+            value = unpack(name, parts, block, target.dtype)
+            target.copy_(slices[name].take(value) if name in slices else value)
         filled.add(name)
     if unfilled := sorted(set(targets) - filled):
         raise ValueError(f"the checkpoint left model tensors unfilled: {', '.join(unfilled)}")

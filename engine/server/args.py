@@ -101,10 +101,17 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument("--kv-cache-dtype", default="auto", help="auto only (the model's own cache formats)")
     cache.add_argument("--enforce-eager", action="store_true", help="accepted: no graphs are captured")
 
-    parallel = p.add_argument_group("parallelism (one device for now)")
+    parallel = p.add_argument_group("parallelism (tensor parallel, experts split inside the group)")
     for name, short in (("tensor", "tp"), ("data", "dp"), ("pipeline", "pp")):
         parallel.add_argument(f"--{name}-parallel-size", f"-{short}", type=int, default=1)
-    parallel.add_argument("--enable-expert-parallel", action="store_true", help="accepted (one device)")
+    parallel.add_argument("--nnodes", type=int, default=1, help="machines the tensor-parallel ranks span")
+    parallel.add_argument("--node-rank", type=int, default=0,
+                          help="this machine's place: 0 serves, the others only run their ranks")  # fmt: skip
+    parallel.add_argument("--master-addr", default="127.0.0.1", help="node 0's address, where the ranks meet")
+    parallel.add_argument("--master-port", type=int, default=0,
+                          help="the port the ranks meet on (needed with --nnodes > 1)")  # fmt: skip
+    parallel.add_argument("--enable-expert-parallel", action="store_true",
+                          help="accepted: under tensor parallelism the experts are always split")  # fmt: skip
 
     spec = p.add_argument_group("speculative decoding")
     spec.add_argument(
@@ -138,9 +145,11 @@ def _engine_flags(group: argparse._ArgumentGroup) -> None:
     """One flag per ``EngineConfig`` field, as its metadata says (``engine.config._flag``)."""
     for f in dataclasses.fields(EngineConfig):
         meta, flag = f.metadata, "--" + f.name.replace("_", "-")
+        if meta.get("cli") is False:
+            continue
         default = None if meta.get("unset") else f.default
         shown = f"{meta['help']} (default: {f.default})" if f.default is not None else meta["help"]
-        if f.type == "bool":
+        if f.type.startswith("bool"):
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=shown)
             continue
         parse = _UNITS[meta["unit"]] if "unit" in meta else _TYPES[f.type.split(" ")[0]]
@@ -196,9 +205,11 @@ def _check(args: argparse.Namespace) -> None:
     if args.model_tag and args.model and Path(args.model_tag) != Path(args.model):
         raise ValueError(f"the model is given twice: {args.model_tag!r} and --model {args.model!r}")
     args.model = args.model or args.model_tag
-    for name in ("tensor", "data", "pipeline"):
+    if args.tensor_parallel_size < 1:
+        raise ValueError(f"--tensor-parallel-size={args.tensor_parallel_size} must be at least 1")
+    for name in ("data", "pipeline"):
         if (size := getattr(args, f"{name}_parallel_size")) != 1:
-            raise ValueError(f"--{name}-parallel-size={size}: this server runs on one device for now (1)")
+            raise ValueError(f"--{name}-parallel-size={size}: only tensor parallelism for now (1)")
     if args.dtype in ("float16", "half"):
         raise ValueError(f"--dtype={args.dtype}: the model computes in bfloat16 or float32 (or auto)")
     if args.kv_cache_dtype != "auto":

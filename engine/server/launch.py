@@ -8,6 +8,7 @@ import dataclasses
 import json
 import logging
 import os
+import signal
 import socket
 import sys
 from importlib.metadata import version
@@ -23,8 +24,9 @@ from engine.server.app import build_app
 from engine.server.args import engine_config, non_default
 from engine.server.protocol import GENERATION_FIELDS
 from engine.server.shutdown import FLUSH_TIMEOUT, GracefulServer
+from engine.workers import Rendezvous, load_ranks, serve_node
 from model.chat_profile import select_chat_profile
-from model.checkpoint import load_model, loader_quantization, placement
+from model.checkpoint import loader_quantization, placement
 from model.config import ModelConfig
 from model.tiny import cached_tiny
 from model.tokenizer import load_tokenizer
@@ -74,12 +76,23 @@ def start_engine(args: argparse.Namespace, path: Path) -> tuple[LLMEngine, Memor
     config = engine_config(args)
     plan = plan_memory(path, dtype, quantization, **memory_budget(args, config))  # before any weight loads
     log.info(plan.line())
-    model = load_model(path, dtype, device, quantization)
     config = dataclasses.replace(config, kv_cache_memory=plan.kv_bytes)
-    return LLMEngine(model, load_tokenizer(path), config), plan
+    model, workers = load_ranks(path, dtype, device, config, quantization, rendezvous(args))
+    return LLMEngine(model, load_tokenizer(path), config, workers=workers), plan
+
+
+def rendezvous(args: argparse.Namespace) -> Rendezvous:
+    return Rendezvous(args.master_addr, args.master_port, args.nnodes, args.node_rank)
 
 
 def serve(args: argparse.Namespace, sock: socket.socket) -> None:
+    if args.node_rank:  # a machine after the first: only its tensor-parallel ranks, no HTTP
+        sock.close()
+        try:
+            device, _ = placement(args.device, args.dtype)
+            raise SystemExit(serve_node(args.tensor_parallel_size, rendezvous(args), device.type))
+        except ValueError as err:
+            raise SystemExit(f"error: {err}") from None
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     # The engine thread's Python work (scheduling, sampling) holds the GIL between torch calls; handing
@@ -113,9 +126,21 @@ def serve(args: argparse.Namespace, sock: socket.socket) -> None:
     ])  # fmt: skip
     app = build_app(server, announce, None if args.disable_log_stats else 10.0)
     config = uvicorn.Config(app, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=FLUSH_TIMEOUT)
+    workers = getattr(engine.runner, "workers", None)
+    if workers is not None:
+        workers.watch(lambda err: _stop_on_failure(server, err))
     GracefulServer(config, server.core, args.shutdown_timeout).run(sockets=[sock])
+    if workers is not None:
+        workers.close()
     # Every stream is closed and the engine stopped: skip the interpreter's teardown of torch and the
     # model, which takes seconds the shutdown timeout has no room for.
     logging.shutdown()
     sys.stdout.flush()
-    os._exit(0)
+    os._exit(1 if workers is not None and workers.failed else 0)
+
+
+def _stop_on_failure(server: OpenAIServer, err: Exception) -> None:
+    """A tensor-parallel worker is gone: /health answers 503 and the server shuts down as on SIGTERM."""
+    log.error("%s: the server stops", err)
+    server.core.accepting = False
+    os.kill(os.getpid(), signal.SIGTERM)

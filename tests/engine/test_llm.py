@@ -61,7 +61,8 @@ def test_chat_renders_with_the_checkpoints_encoding(llm: LLM):
 
 @pytest.mark.parametrize(
     ("kwargs", "named"),
-    [({"tensor_parallel_size": 2}, "tensor_parallel_size=2"), ({"dtype": "float16"}, "dtype='float16'"),
+    [({"tensor_parallel_size": 3}, "tensor_parallel_size=3 does not divide num_attention_heads=4"),
+     ({"tensor_parallel_size": 0}, "tensor_parallel_size=0"), ({"dtype": "float16"}, "dtype='float16'"),
      ({"device": "tpu"}, "device='tpu'"),
      ({"max_batch": 3}, "max_batch"), ({"quantization": "ascend"}, "quantization='ascend'.*unquantized"),
      ({"speculative_config": {"method": "eagle"}}, "speculative_config")],

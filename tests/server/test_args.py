@@ -48,7 +48,8 @@ def test_a_yaml_config_under_the_command_line(tmp_path):
 @pytest.mark.parametrize(
     ("argv", "named"),
     [
-        (["--tensor-parallel-size", "2"], "--tensor-parallel-size=2"),
+        (["--tensor-parallel-size", "0"], "--tensor-parallel-size=0"),
+        (["--data-parallel-size", "2"], "--data-parallel-size=2"),
         (["--dtype", "float16"], "--dtype=float16"),
         (["--device", "tpu"], "invalid choice: 'tpu'"),
         (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype=fp8"),

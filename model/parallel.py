@@ -1,0 +1,235 @@
+"""Tensor parallelism with expert parallelism inside the group (design "Parallelism", stage A).
+
+``shard_model`` rewrites a model built on ``meta`` into one rank's share and returns the ``ShardPlan``
+the loader follows: which slice of each checkpoint tensor this rank reads, and which tensors belong to
+other ranks. Per attention layer the query heads (``wq_b``, ``attn_sink``) and the output groups
+(``wo_a``) are split, ``wo_b`` is row-parallel (its input split) and all-reduced; per MoE block each
+rank owns E/N routed experts and 1/N of the shared expert's intermediate width, and the block's output
+is all-reduced once. Embedding and head are split over the vocabulary. Everything else (``wq_a``,
+``wkv``, norms, compressors, indexers, mHC, Engram, gates with ``tid2eid``) is replicated, so every
+rank computes identical caches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from model.attention import SharedKVAttention
+from model.config import ModelConfig
+from model.moe import Expert, Gate, MoE
+from model.quant_linear import DenseLinear
+from model.shards import StoredTensor
+
+
+@dataclass(frozen=True)
+class ParallelContext:
+    """This process's place in the tensor-parallel group (``group`` None: the default group)."""
+
+    rank: int = 0
+    world: int = 1
+    group: dist.ProcessGroup | None = None
+
+    def span(self, total: int, what: str) -> tuple[int, int]:
+        """This rank's ``[start, stop)`` of ``total`` items split evenly over the group."""
+        if total % self.world:
+            raise ValueError(f"{what}={total} does not divide over tensor_parallel_size={self.world}")
+        share = total // self.world
+        return self.rank * share, (self.rank + 1) * share
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.world > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """The ranks' ``x`` concatenated along the last dimension, in rank order."""
+        if self.world == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.world)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)
+
+
+@dataclass(frozen=True)
+class TensorSlice:
+    dim: int
+    start: int
+    stop: int
+
+    def take(self, t: torch.Tensor) -> torch.Tensor:
+        return t.narrow(self.dim, self.start, self.stop - self.start)
+
+    def blocks(self, block: int, name: str) -> TensorSlice:
+        """The slice of a block-scale tensor that scales this slice of its weight: it must start and end on
+        block boundaries (a block's one scale cannot be shared by two ranks)."""
+        if self.start % block or self.stop % block:
+            raise ValueError(
+                f"{name}: the rank's slice [{self.start}, {self.stop}) of dimension {self.dim} does not fall "
+                f"on the FP8 block of {block}"
+            )
+        return TensorSlice(self.dim, self.start // block, self.stop // block)
+
+    def read_into(self, entry: StoredTensor, target: torch.Tensor) -> None:
+        """Read this slice of a stored tensor into ``target`` of its dtype: a row slice is one contiguous
+        byte range of the file; other slices read the tensor (host peak: one tensor) and cut it."""
+        if self.dim != 0:
+            target.copy_(self.take(entry.read()))
+            return
+        row_bytes = entry.nbytes // entry.shape[0]
+        rows = StoredTensor(
+            entry.name,
+            entry.file,
+            entry.dtype,
+            (self.stop - self.start, *entry.shape[1:]),
+            entry.start + self.start * row_bytes,
+            (self.stop - self.start) * row_bytes,
+        )
+        rows.read_into(target)
+
+
+@dataclass
+class ShardPlan:
+    """What one rank loads: ``slices`` of the split tensors, and ``elsewhere``, other ranks' tensors."""
+
+    context: ParallelContext
+    slices: dict[str, TensorSlice] = field(default_factory=dict)
+    elsewhere: set[str] = field(default_factory=set)
+    row_parallel: list[str] = field(default_factory=list)  # linears whose partial outputs are all-reduced
+
+
+def connect(model: nn.Module, plan: ShardPlan) -> None:
+    """Attach the collectives to the split linears once the loader has swapped in their final (dense or
+    packed) class: row-parallel outputs are summed over the ranks in fp32, the head's logits gathered."""
+    context = plan.context
+
+    def reduce(_module: nn.Module, _args: tuple, out: torch.Tensor) -> torch.Tensor:
+        return context.all_reduce(out.float()).to(out.dtype)
+
+    for name in plan.row_parallel:
+        model.get_submodule(name).register_forward_hook(reduce)
+    model.head.register_forward_hook(lambda _module, _args, out: context.all_gather(out))
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """Rows ``[start, stop)`` of the vocabulary; ids elsewhere look up zeros, and the sum over ranks is the
+    plain lookup exactly (one nonzero term per token)."""
+
+    def __init__(self, start: int, stop: int, dim: int, context: ParallelContext):
+        super().__init__(stop - start, dim)
+        self.start, self.context = start, context
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.start
+        mine = (local >= 0) & (local < self.num_embeddings)
+        out = F.embedding(torch.where(mine, local, 0), self.weight) * mine.unsqueeze(-1)
+        return self.context.all_reduce(out.float()).to(out.dtype)  # fp32 on the wire: any backend sums it
+
+
+class ExpertParallelMoE(nn.Module):
+    """A MoE block's share on one rank: the replicated gate, the routed experts ``[start, stop)`` (a token
+    is computed here only for the experts of this rank it is routed to) and a slice of the shared
+    expert's intermediate width; the partial sums of both are all-reduced once."""
+
+    def __init__(
+        self, gate: Gate, experts: range, shared: Expert | None, shape: tuple, context: ParallelContext
+    ):
+        """``shape``: the block's ``MoE.shape``, (experts, hidden, intermediate, clamp limit)."""
+        super().__init__()
+        _, hidden, inter, limit = shape
+        self.gate, self.context, self.owned = gate, context, experts
+        self.experts = nn.ModuleDict({str(e): Expert(hidden, inter, limit) for e in experts})
+        self.shared_experts = shared
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        picked, weights = self.gate(x, ids)
+        out = torch.zeros_like(x, dtype=torch.float32)
+        mine = (picked >= self.owned.start) & (picked < self.owned.stop)
+        for e in picked[mine].unique().tolist():
+            token, slot = torch.where(picked == e)
+            out.index_add_(0, token, self.experts[str(e)](x[token]).float() * weights[token, slot, None])
+        if self.shared_experts is not None:
+            out += self.shared_experts(x).float()
+        return self.context.all_reduce(out).to(x.dtype)
+
+
+def check_divisible(cfg: ModelConfig, world: int) -> None:
+    """Fail before any process starts when the model does not split over ``world`` ranks."""
+    if world < 1:
+        raise ValueError(f"tensor_parallel_size={world} must be at least 1")
+    counts = {
+        "num_attention_heads": cfg.num_attention_heads,
+        "o_groups": cfg.o_groups,
+        "n_routed_experts": cfg.n_routed_experts,
+        "moe_intermediate_size": cfg.moe_intermediate_size,
+        "vocab_size": cfg.vocab_size,
+    }
+    if bad := {name: n for name, n in counts.items() if n % world}:
+        named = ", ".join(f"{name}={n}" for name, n in bad.items())
+        raise ValueError(f"tensor_parallel_size={world} does not divide {named}")
+
+
+def shard_model(model: nn.Module, context: ParallelContext) -> ShardPlan:
+    """Replace, on ``meta``, the split modules of ``model`` by this rank's share (checkpoint names kept);
+    ``connect`` then attaches the collectives of the linears."""
+    cfg, plan = model.cfg, ShardPlan(context)
+    check_divisible(cfg, context.world)
+    with torch.device("meta"):
+        for prefix, module in list(model.named_modules()):
+            if isinstance(module, SharedKVAttention):
+                _shard_attention(prefix, module, plan)
+            elif isinstance(module, MoE):
+                _replace(model, prefix, _shard_moe(prefix, module, plan))
+        start, stop = _split(plan, "embed.weight", 0, cfg.vocab_size, "vocab_size")
+        model.embed = VocabParallelEmbedding(start, stop, cfg.hidden_size, context)
+        _split(plan, "head.weight", 0, cfg.vocab_size, "vocab_size")
+        model.head = DenseLinear(cfg.hidden_size, stop - start)
+    return plan
+
+
+def _split(plan: ShardPlan, name: str, dim: int, total: int, what: str) -> tuple[int, int]:
+    start, stop = plan.context.span(total, what)
+    plan.slices[name] = TensorSlice(dim, start, stop)
+    return start, stop
+
+
+def _shard_attention(prefix: str, attn: SharedKVAttention, plan: ShardPlan) -> None:
+    heads, groups, d = attn.heads, attn.groups, attn.head_dim
+    per_group = attn.wo_a.out_features // groups  # o_lora_rank
+    h0, h1 = _split(plan, f"{prefix}.attn_sink", 0, heads, "num_attention_heads")
+    plan.slices[f"{prefix}.wq_b.weight"] = TensorSlice(0, h0 * d, h1 * d)
+    g0, g1 = plan.context.span(groups, "o_groups")
+    plan.slices[f"{prefix}.wo_a.weight"] = TensorSlice(0, g0 * per_group, g1 * per_group)
+    plan.slices[f"{prefix}.wo_b.weight"] = TensorSlice(1, g0 * per_group, g1 * per_group)
+    attn.heads, attn.groups = h1 - h0, g1 - g0
+    attn.wq_b = DenseLinear(attn.wq_b.in_features, attn.heads * d)
+    attn.attn_sink = nn.Parameter(torch.empty(attn.heads))
+    attn.wo_a = DenseLinear(attn.wo_a.in_features, attn.groups * per_group)
+    attn.wo_b = DenseLinear(attn.groups * per_group, attn.wo_b.out_features)
+    plan.row_parallel.append(f"{prefix}.wo_b")
+
+
+def _shard_moe(prefix: str, moe: MoE, plan: ShardPlan) -> ExpertParallelMoE:
+    experts, hidden, inter, limit = moe.shape
+    e0, e1 = plan.context.span(experts, "n_routed_experts")
+    for e in (*range(e0), *range(e1, experts)):
+        plan.elsewhere.update(
+            f"{prefix}.experts.{e}.{w}.{t}" for w in ("w1", "w2", "w3") for t in ("weight", "scale")
+        )
+    shared = None
+    if moe.shared_experts is not None:
+        i0, i1 = _split(plan, f"{prefix}.shared_experts.w1.weight", 0, inter, "moe_intermediate_size")
+        plan.slices[f"{prefix}.shared_experts.w3.weight"] = TensorSlice(0, i0, i1)
+        plan.slices[f"{prefix}.shared_experts.w2.weight"] = TensorSlice(1, i0, i1)
+        # Its w2 stays a plain linear: the partial output joins the routed experts' before the one reduce.
+        shared = Expert(hidden, i1 - i0, limit)
+    return ExpertParallelMoE(moe.gate, range(e0, e1), shared, moe.shape, plan.context)
+
+
+def _replace(model: nn.Module, prefix: str, module: nn.Module) -> None:
+    parent, _, leaf = prefix.rpartition(".")
+    setattr(model.get_submodule(parent), leaf, module)

@@ -1,0 +1,56 @@
+"""``python -m engine.serve --tensor-parallel-size 2`` on CPU: it serves the tiny V4.1 the greedy tokens
+of one process, and when a worker is killed /health fails and the server exits with an error naming the
+rank."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+
+from engine.llm import LLM
+from engine.request import SamplingParams
+from model.tiny import cached_tiny
+from tests.server.conftest import serving
+
+PROMPT = [0, 911, 37, 5, 1200, 64]
+
+
+def _children(pid: int) -> list[int]:
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=5).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def test_tp2_server_serves_then_exits_when_a_worker_dies(tmp_path: Path):
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    single = LLM(model=cached_tiny("v41"), max_model_len=256).generate(PROMPT, greedy, use_tqdm=False)
+    flags = ["--tensor-parallel-size", "2", "--torch-threads", "1", "--max-model-len", "256",
+             "--kv-cache-memory", "16MiB", "--log-level", "warning"]  # fmt: skip
+    with serving(tmp_path / "server.log", *flags) as (served, proc):
+        reply = served.client().completions.create(
+            model="deepseek-v4.1-tiny",
+            prompt=PROMPT,
+            max_tokens=6,
+            temperature=0.0,
+            extra_body={"ignore_eos": True},
+        )
+        assert reply.choices[0].text == single[0].outputs[0].text
+        (worker,) = [
+            pid for pid in _children(proc.pid) if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text()
+        ]
+        os.kill(worker, signal.SIGKILL)
+        deadline = time.monotonic() + 60  # a bound on the wait, not a speed requirement
+        while _healthy(served.url) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _healthy(served.url)
+        assert proc.wait(timeout=60) == 1
+        assert "tensor-parallel rank 1 exited with code -9" in served.log.read_text()
