@@ -17,7 +17,7 @@ from benchmarks.workload import Phase
 from model.config import ModelConfig
 from triton_kernels import moe_gemm, quant_matmul
 from triton_kernels.quant import quantize_int8_ref
-from triton_kernels.quant_matmul import QuantWeight, fp8_weight, int8_weight, mxfp4_weight
+from triton_kernels.quant_matmul import QuantWeight
 
 
 def random_weight(
@@ -29,8 +29,9 @@ def random_weight(
     exponents: tuple[int, int] = (120, 134),
     device: torch.device | str = "cpu",
 ) -> QuantWeight:
-    """Random stored bytes of ``fmt`` (``fp8-128``, ``fp8-32``, ``mxfp4`` or ``int8``): every finite code,
-    subnormals included, with E8M0 exponents in ``exponents``; ``experts=(E,)`` stacks E of them."""
+    """Random stored bytes of ``fmt`` (``fp8-128``, ``fp8-32``, ``mxfp4``, ``int8``, ``int4`` or ``dense``):
+    every finite code, subnormals included, with E8M0 exponents in ``exponents``; ``experts=(E,)`` stacks E
+    of them."""
     gen = torch.Generator(device=device).manual_seed(seed)
 
     def ints(low: int, high: int, *shape: int) -> torch.Tensor:
@@ -40,11 +41,17 @@ def random_weight(
         block = int(fmt.split("-")[1])
         data = ints(0, 256, n, k)
         data[(data & 127) == 127] = 0x38  # NaN codes -> 1.0
-        return fp8_weight(data, ints(*exponents, -(-n // block), -(-k // block)), block)
+        return quant_matmul.fp8_weight(data, ints(*exponents, -(-n // block), -(-k // block)), block)
     if fmt == "mxfp4":
-        return mxfp4_weight(ints(0, 256, n, k // 2), ints(*exponents, n, -(-k // 32)))
-    q, scale = quantize_int8_ref(torch.randn(n, k, generator=gen, device=device))
-    return int8_weight(q, scale)
+        return quant_matmul.mxfp4_weight(ints(0, 256, n, k // 2), ints(*exponents, n, -(-k // 32)))
+    w = torch.randn((*experts, n, k), generator=gen, device=device) / k**0.5
+    if fmt == "dense":
+        return quant_matmul.dense_weight(w)
+    if fmt == "int4":  # every signed nibble, a per-channel scale of unit-variance weights
+        scale = torch.rand((*experts, n, 1), generator=gen, device=device) * 0.1 + 0.05
+        return quant_matmul.int4_weight(ints(0, 256, n // 2, k).view(torch.int8), scale / k**0.5)
+    q, scale = quantize_int8_ref(w)
+    return quant_matmul.int8_weight(q, scale)
 
 
 def _weight_bytes(w: QuantWeight) -> int:
