@@ -268,11 +268,11 @@ def plan_model(
     if cfg.num_draft_layers and not any(name.startswith(DRAFT_PREFIX) for name in stored):
         cfg = cfg.without_drafts()
     model = build_model(cfg, path)
+    check_description(path, stored)  # first: it names a missing sibling that would mis-shape its weight
     check_names(
         model.checkpoint_names(), {name: unpacked_shape(name, stored) for name in weight_names(stored)}
     )
     check_scales(stored, cfg.fp8_block)
-    check_description(path, stored)
     pack_linears(model, stored, cfg.fp8_block, quantization)
     for name, param in model.named_parameters():
         param.data = param.data.to(parameter_dtype(name, dtype))  # still on meta: no bytes yet
