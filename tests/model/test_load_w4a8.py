@@ -48,6 +48,14 @@ def test_w4a8_checkpoint_loads_as_stored_and_runs(dirs):
     assert mean >= MEAN_COSINE and median >= MEDIAN_COSINE and top1 >= TOP1
 
 
+def test_w4a8_requantised_to_w8a8_at_load(dirs):
+    _, path = dirs
+    model = load_model(path, quantization="w8a8")
+    assert model.layers[0].ffn.experts.format == "int8"
+    mean, median, top1 = _agreement(model, load_model(path, quantization="dense"))
+    assert mean >= MEAN_COSINE and median >= MEDIAN_COSINE and top1 >= TOP1
+
+
 @pytest.mark.parametrize("layout", ["msmodelslim", "msmodelslim-w4a8"])
 def test_quantised_against_the_fp32_source(dirs, tmp_path, layout):
     dense, _ = dirs
