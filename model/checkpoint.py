@@ -32,7 +32,7 @@ from model.deepseek_v41 import DeepseekV41
 from model.engram import compressed_token_map
 from model.moe import MoE
 from model.quant import dequantize_fp4, dequantize_fp8
-from model.quant_linear import DenseLinear, Fp8Linear, Int8Linear, Mxfp4Linear, StackedExperts
+from model.quant_linear import BIAS_COLUMNS, DenseLinear, Fp8Linear, Int8Linear, Mxfp4Linear, StackedExperts
 from model.shards import StoredTensor, read_headers
 from model.tokenizer import load_tokenizer
 from triton_kernels import runtime
@@ -54,7 +54,7 @@ QUANTIZATIONS = ("auto", "dense", "w8a8")
 DENSE, FP8, MXFP4, INT8, INT4 = "dense", "fp8", "mxfp4", "int8", "int4"
 SCALE, W8A8_SCALE, W8A8_OFFSET, SCALE_BIAS = ".scale", ".weight_scale", ".weight_offset", ".scale_bias"
 _SIBLINGS = (SCALE, W8A8_SCALE, W8A8_OFFSET, SCALE_BIAS)
-_SCALE_BIAS_COLUMNS = (1, 16)  # msModelSlim: 1 for w1 / w3, 16 (the tensor-parallel slices) for w2
+_SCALE_BIAS_COLUMNS = tuple(sorted(set(BIAS_COLUMNS)))
 _TEXT_ONLY_SKIPS = re.compile(r"(\.gate\.bias_vl(\.|$)|^(vision|aligner)\.|^image_(start|newline|end)\b)")
 _FP4 = re.compile(r"\.experts\.\d+\.w[123]\.weight$")  # routed experts: packed E2M1 codes
 _SCALE_DTYPES = (torch.float8_e8m0fnu, torch.uint8)
@@ -311,11 +311,10 @@ def pack_linears(
 
 
 def _block_scaled(name: str, stored: dict[str, StoredTensor], block: int | None) -> bool:
+    if block is None:
+        return False
     out, cols = stored[name].shape
-    return block is not None and tuple(stored[sibling(name, SCALE)].shape) == (
-        -(-out // block),
-        -(-cols // block),
-    )
+    return tuple(stored[sibling(name, SCALE)].shape) == (-(-out // block), -(-cols // block))
 
 
 def expert_format(
@@ -329,13 +328,10 @@ def expert_format(
         if stored_format(name, stored) != fmt:
             raise ValueError(f"{name}: stored {stored_format(name, stored)}, but {names[0]} is {fmt}")
     if fmt == FP8 and not _block_scaled(names[0], stored, block):
-        return DENSE, ()
-    columns = (
-        tuple(stored[f"{prefix}.0.{p}{SCALE_BIAS}"].shape[-1] for p in StackedExperts.PROJECTIONS)
-        if fmt == INT4
-        else (1, 16, 1)
-    )
-    return fmt, columns
+        return DENSE, BIAS_COLUMNS
+    if fmt != INT4:
+        return fmt, BIAS_COLUMNS
+    return fmt, tuple(stored[f"{prefix}.0.{p}{SCALE_BIAS}"].shape[-1] for p in StackedExperts.PROJECTIONS)
 
 
 def stream_weights(

@@ -120,6 +120,10 @@ class Int8Linear(PackedLinear):
         return int8_weight(self.weight[start:stop], self.weight_scale[start:stop])
 
 
+# W4A8 ``scale_bias`` columns of w1, w2, w3 as msModelSlim writes them (w2: one per tensor-parallel slice).
+BIAS_COLUMNS = (1, 16, 1)
+
+
 def _expert_tensors(fmt: str, out: int, inp: int, block: int, bias_columns: int) -> dict[str, tuple]:
     """One routed expert's projection in ``fmt``: checkpoint suffix -> (shape, dtype)."""
     channel = ((out, 1), torch.float32)
@@ -155,7 +159,7 @@ class StackedExperts(nn.Module):
     PROJECTIONS = ("w1", "w2", "w3")
 
     def __init__(self, experts: int, hidden: int, inter: int, limit: float | None, fmt: str = DENSE,
-                 block: int = 1, bias_columns: tuple[int, int, int] = (1, 16, 1)):  # fmt: skip
+                 block: int = 1, bias_columns: tuple[int, ...] = BIAS_COLUMNS):  # fmt: skip
         super().__init__()
         self.limit, self.format, self.block = limit, fmt, block
         shapes = ((inter, hidden), (hidden, inter), (inter, hidden))

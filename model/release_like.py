@@ -25,6 +25,7 @@ from safetensors.torch import load_file, save_file
 
 from model.config import ModelConfig
 from model.deepseek_v4 import DeepseekV4
+from model.quant_linear import BIAS_COLUMNS
 from model.tiny import FP8_CONFIG, TOY_V4
 from model.tokenizer import write_tokenizer
 from triton_kernels.quant import quantize_int8_ref
@@ -76,7 +77,6 @@ _W8A8 = re.compile(r"\.(attn\.(wq_a|wq_b|wkv)|indexer\.wq_b|(shared_)?experts\.(
 _FP32 = re.compile(r"(hc_\w+|attn_sink|\.ape|gate\.bias)$")
 _W2 = re.compile(r"\.w2\.weight$")
 INT4_MAX = 7  # symmetric int4: codes in [-7, 7]
-BIAS_SLICES = 16  # msModelSlim's w2 scale_bias: one column per tensor-parallel slice of the input
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
@@ -91,7 +91,7 @@ def int4_parts(name: str, codes: torch.Tensor, scale: torch.Tensor) -> dict[str,
     ``scale_bias`` is what Ascend's grouped W4A8 matmul adds back for the +8 shift it applies to the
     activations' low half: ``8 * s_w[n] * sum_k q[n, k]``, split in column slices for ``w2`` (vLLM-Ascend
     sums them). Our kernels compute the int8 x int4 product directly and never read it."""
-    slices = BIAS_SLICES if _W2.search(name) else 1
+    slices = BIAS_COLUMNS[1] if _W2.search(name) else BIAS_COLUMNS[0]
     sums = torch.stack([part.sum(-1) for part in codes.float().tensor_split(slices, dim=1)], dim=1)
     bias = 8 * scale[:, None] * sums
     return {**int8_parts(name, pack_int4(codes), scale), f"{name.removesuffix('.weight')}.scale_bias": bias}
