@@ -2,7 +2,7 @@
 the host memory the loader needs on top of them.
 
 ``python -m benchmarks.load_memory [--like v4-flash] [--layers 2] [--experts 16]
-[--layout official|msmodelslim] [--dir DIR] [--device cpu] [--dtype bfloat16]``
+[--layout official|msmodelslim|msmodelslim-w4a8] [--dir DIR] [--device cpu] [--dtype bfloat16]``
 
 Writes the checkpoint (``model.release_like``; into ``--dir`` if given and empty, else a temporary
 folder), then loads it in a fresh process so the idle RSS is that of the imports alone, and prints

@@ -1,4 +1,4 @@
-"""Load a checkpoint in the official naming (single or sharded safetensors, or msModelSlim's W8A8
+"""Load a checkpoint in the official naming (single or sharded safetensors, or msModelSlim's W8A8 / W4A8
 layout), streaming, with the weights kept in their stored format.
 
 Loading is strict and happens in two passes. First the shard headers alone: every name, shape and
@@ -9,9 +9,10 @@ Then the bytes, shard by shard and tensor by tensor, straight into the device te
 peaks near one tensor. The one exception to strictness: a checkpoint with no draft tensors at all
 (``mtp.*``: transformers drops them, some copies strip them) loads as the backbone alone.
 
-``quantization``: ``auto`` keeps what is stored (FP8 and MXFP4 packed, W8A8 as int8); ``dense``
-dequantises at load to the compute dtype; ``w8a8`` requantises FP8 / MXFP4 to int8 W8A8 (per-output-
-channel weight scales, model-spec §9.4).
+``quantization``: ``auto`` keeps what is stored (FP8 and MXFP4 packed, W8A8 as int8, W4A8 routed
+experts as int4); ``dense`` dequantises at load to the compute dtype; ``w8a8`` requantises FP8 / MXFP4 /
+int4 to int8 W8A8 (per-output-channel weight scales, model-spec §9.4). The routed experts of every
+format are stacked per layer (``StackedExperts``) and run through ``moe_gemm``.
 """
 
 from __future__ import annotations
@@ -33,11 +34,12 @@ from model.engram import Engram, compressed_token_map
 from model.moe import MoE
 from model.parallel import ParallelContext, ShardPlan, connect, shard_model
 from model.quant import dequantize_fp4, dequantize_fp8
-from model.quant_linear import DenseLinear, Fp8Linear, Int8Linear, Mxfp4Linear
+from model.quant_linear import BIAS_COLUMNS, DenseLinear, Fp8Linear, Int8Linear, Mxfp4Linear, StackedExperts
 from model.shards import StoredTensor, read_headers
 from model.tokenizer import load_tokenizer
 from triton_kernels import runtime
 from triton_kernels.quant import quantize_int8_ref
+from triton_kernels.quant_matmul import dequantize_rows, int4_weight
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -51,9 +53,10 @@ COMPUTE_DTYPES = (torch.float32, torch.bfloat16)
 DTYPE_NAMES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float": torch.float32}
 DEVICES = ("npu", "cuda", "cpu")
 QUANTIZATIONS = ("auto", "dense", "w8a8")
-DENSE, FP8, MXFP4, INT8 = "dense", "fp8", "mxfp4", "int8"
-SCALE, W8A8_SCALE, W8A8_OFFSET = ".scale", ".weight_scale", ".weight_offset"
-_SIBLINGS = (SCALE, W8A8_SCALE, W8A8_OFFSET)
+DENSE, FP8, MXFP4, INT8, INT4 = "dense", "fp8", "mxfp4", "int8", "int4"
+SCALE, W8A8_SCALE, W8A8_OFFSET, SCALE_BIAS = ".scale", ".weight_scale", ".weight_offset", ".scale_bias"
+_SIBLINGS = (SCALE, W8A8_SCALE, W8A8_OFFSET, SCALE_BIAS)
+_SCALE_BIAS_COLUMNS = tuple(sorted(set(BIAS_COLUMNS)))
 _TEXT_ONLY_SKIPS = re.compile(r"(\.gate\.bias_vl(\.|$)|^(vision|aligner)\.|^image_(start|newline|end)\b)")
 _FP4 = re.compile(r"\.experts\.\d+\.w[123]\.weight$")  # routed experts: packed E2M1 codes
 _SCALE_DTYPES = (torch.float8_e8m0fnu, torch.uint8)
@@ -106,10 +109,12 @@ def sibling(name: str, suffix: str) -> str:
 
 def stored_format(name: str, tensors: dict) -> str:
     """How weight ``name`` is stored: FP8 (E4M3 + ``.scale``), MXFP4 (int8 routed expert + ``.scale``),
-    int8 W8A8 (int8 + ``.weight_scale``) or dense."""
+    int4 W4A8 (int8 + ``.weight_scale`` + ``.scale_bias``), int8 W8A8 (int8 + ``.weight_scale``) or dense."""
     dtype = tensors[name].dtype
     if dtype == torch.float8_e4m3fn:
         return FP8
+    if dtype == torch.int8 and sibling(name, SCALE_BIAS) in tensors:
+        return INT4
     if dtype in (torch.int8, torch.uint8) and sibling(name, W8A8_SCALE) in tensors:
         return INT8
     if dtype == torch.int8 and _FP4.search(name):
@@ -129,6 +134,10 @@ def unpack(
         return dequantize_fp8(t, tensors[sibling(name, SCALE)], block, dtype)
     if fmt == INT8:
         return (t.float() * tensors[sibling(name, W8A8_SCALE)].float().view(-1, 1)).to(dtype)
+    if fmt == INT4:
+        return dequantize_rows(int4_weight(t, tensors[sibling(name, W8A8_SCALE)]), 0, 2 * t.shape[0]).to(
+            dtype
+        )
     return t.to(parameter_dtype(name, dtype)) if t.is_floating_point() else t
 
 
@@ -139,8 +148,10 @@ def parameter_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
 
 def unpacked_shape(name: str, tensors: dict) -> tuple[int, ...]:
     """The dense shape of weight ``name``, read from the stored tensor alone (two E2M1 codes per FP4 byte)."""
-    shape = tuple(tensors[name].shape)
-    return (*shape[:-1], shape[-1] * 2) if stored_format(name, tensors) == MXFP4 else shape
+    shape, fmt = tuple(tensors[name].shape), stored_format(name, tensors)
+    if fmt == INT4:  # two outputs per byte row
+        return (shape[0] * 2, *shape[1:])
+    return (*shape[:-1], shape[-1] * 2) if fmt == MXFP4 else shape
 
 
 def check_scales(tensors: dict, block: int | None) -> None:
@@ -157,6 +168,11 @@ def check_scales(tensors: dict, block: int | None) -> None:
             FP8: {SCALE: [(-(-out // b), -(-cols // b)), (out, -(-cols // b))]},
             MXFP4: {SCALE: [(out, -(-cols // 32))]},
             INT8: {W8A8_SCALE: [(out, 1), (out,)], W8A8_OFFSET: [(out, 1), (out,)]},
+            INT4: {
+                W8A8_SCALE: [(out, 1), (out,)],
+                W8A8_OFFSET: [(out, 1), (out,)],
+                SCALE_BIAS: [(out, c) for c in _SCALE_BIAS_COLUMNS],
+            },  # fmt: skip
         }[fmt]
         for suffix, shapes in expected.items():
             scale = tensors.get(sibling(name, suffix))
@@ -167,15 +183,15 @@ def check_scales(tensors: dict, block: int | None) -> None:
                     f"{sibling(name, suffix)}: shape {tuple(scale.shape)} does not fit {fmt} weight {name} "
                     f"{(out, cols)} (expected {' or '.join(map(str, shapes))})"
                 )
-            wanted = (torch.float32,) if fmt == INT8 else _SCALE_DTYPES
+            wanted = (torch.float32,) if fmt in (INT8, INT4) else _SCALE_DTYPES
             if scale.dtype not in wanted:
                 raise ValueError(f"{sibling(name, suffix)}: dtype {scale.dtype}, expected one of {wanted}")
 
 
 def check_description(path: str | Path, stored: dict[str, StoredTensor]) -> None:
     """An msModelSlim checkpoint's ``quant_model_description.json`` agrees with its shards: every tensor it
-    names exists, and each ``W8A8_DYNAMIC`` weight is int8 with its scale. ``W4A8_DYNAMIC`` (int4 routed
-    experts) is refused: no layer of the family runs it yet."""
+    names exists, each ``W8A8_DYNAMIC`` weight is int8 with its scale and each ``W4A8_DYNAMIC`` one a
+    routed expert's packed int4 with its scale and ``scale_bias``."""
     file = Path(path) / DESCRIPTION_FILE
     if not file.exists():
         return
@@ -185,8 +201,13 @@ def check_description(path: str | Path, stored: dict[str, StoredTensor]) -> None
             raise ValueError(f"{DESCRIPTION_FILE}: {name} has type {kind!r}, not one of {SLIM_TYPES}")
         if name not in stored and not _TEXT_ONLY_SKIPS.search(name):
             raise ValueError(f"{DESCRIPTION_FILE} names tensor {name}, which no shard of the checkpoint has")
-        if kind == "W4A8_DYNAMIC":
-            raise ValueError(f"{name}: W4A8_DYNAMIC (int4 weights) is not supported; use a W8A8 checkpoint")
+        if kind == "W4A8_DYNAMIC" and name.endswith(".weight"):
+            if not _FP4.search(name):
+                raise ValueError(f"{name}: W4A8_DYNAMIC (int4 weights) is supported for routed experts only")
+            if stored_format(name, stored) != INT4:
+                raise ValueError(
+                    f"{name}: W4A8_DYNAMIC needs an int8 weight with {W8A8_SCALE} and {SCALE_BIAS} siblings"
+                )
         if kind == "W8A8_DYNAMIC" and name.endswith(".weight") and stored_format(name, stored) != INT8:
             raise ValueError(f"{name}: W8A8_DYNAMIC needs an int8 weight with a {W8A8_SCALE} sibling")
 
@@ -280,6 +301,7 @@ def plan_shard(
     if cfg.num_draft_layers and not any(name.startswith(DRAFT_PREFIX) for name in stored):
         cfg = cfg.without_drafts()
     model = build_model(cfg, path)
+    check_description(path, stored)  # first: it names a missing sibling that would mis-shape its weight
     check_names(
         model.checkpoint_names(), {name: unpacked_shape(name, stored) for name in weight_names(stored)}
     )
@@ -309,16 +331,16 @@ def pack_linears(
     shard: ShardPlan | None = None,
 ) -> None:
     """Swap, on ``meta``, each linear the checkpoint stores quantised for the packed layer that keeps it
-    so (``auto``) or for int8 W8A8 (``w8a8``); MXFP4 routed experts are stacked for ``moe_gemm`` (one by
-    one under a ``shard``, whose split FP8 weights read their slices of the block scales too), and FP8
+    so (``auto``) or for int8 W8A8 (``w8a8``), and stack each MoE layer's routed experts in that format (one
+    by one under a ``shard``, whose split FP8 weights read their slices of the block scales too); FP8
     Engram tables stay FP8 (only the rows a step reads are decoded)."""
     if quantization == "dense":
         return
     for prefix, module in list(model.named_modules()):
-        if isinstance(module, MoE) and quantization == "auto":
-            first = f"{prefix}.experts.0.w1.weight"
-            if first in stored and stored_format(first, stored) == MXFP4:
-                module.pack_experts()
+        if isinstance(module, MoE):
+            fmt, columns = expert_format(f"{prefix}.experts", stored, block)
+            if fmt != DENSE:
+                module.pack_experts(INT8 if quantization == "w8a8" else fmt, block or 1, columns)
         if isinstance(module, Engram) and stored_format(f"{prefix}.embed.weight", stored) == FP8:
             module.pack_table(block)  # a lookup, not a GEMM: kept FP8 under w8a8 too
     for prefix, module in list(model.named_modules()):
@@ -328,12 +350,11 @@ def pack_linears(
         fmt, shape = stored_format(name, stored), (module.in_features, module.out_features)
         if fmt == DENSE:
             continue
-        out, cols = unpacked_shape(name, stored)  # the whole tensor's, where a shard holds a slice
         if quantization == "w8a8" or fmt == INT8:
             packed = Int8Linear(*shape)
         elif fmt == MXFP4:
             packed = Mxfp4Linear(*shape)
-        elif tuple(stored[sibling(name, SCALE)].shape) == (-(-out // block), -(-cols // block)):
+        elif _block_scaled(name, stored, block):
             packed = Fp8Linear(*shape, block)
             if shard is not None and name in shard.slices:
                 shard.slices[sibling(name, SCALE)] = shard.slices[name].blocks(block, name)
@@ -341,6 +362,30 @@ def pack_linears(
             continue  # FP8 with per-row scales on a linear: dequantised at load
         parent, _, leaf = prefix.rpartition(".")
         setattr(model.get_submodule(parent), leaf, packed)
+
+
+def _block_scaled(name: str, stored: dict[str, StoredTensor], block: int | None) -> bool:
+    if block is None:
+        return False
+    out, cols = stored[name].shape
+    return tuple(stored[sibling(name, SCALE)].shape) == (-(-out // block), -(-cols // block))
+
+
+def expert_format(
+    prefix: str, stored: dict[str, StoredTensor], block: int | None
+) -> tuple[str, tuple[int, ...]]:
+    """The one stored format of every routed expert under ``prefix`` (a ValueError names the first that
+    differs) and W4A8's ``scale_bias`` columns per projection; FP8 without block scales counts as dense."""
+    names = sorted(n for n in stored if n.startswith(f"{prefix}.") and n.endswith(".weight"))
+    fmt = stored_format(names[0], stored)
+    for name in names:
+        if stored_format(name, stored) != fmt:
+            raise ValueError(f"{name}: stored {stored_format(name, stored)}, but {names[0]} is {fmt}")
+    if fmt == FP8 and not _block_scaled(names[0], stored, block):
+        return DENSE, BIAS_COLUMNS
+    if fmt != INT4:
+        return fmt, BIAS_COLUMNS
+    return fmt, tuple(stored[f"{prefix}.0.{p}{SCALE_BIAS}"].shape[-1] for p in StackedExperts.PROJECTIONS)
 
 
 def stream_weights(

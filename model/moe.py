@@ -13,7 +13,7 @@ from torch import nn
 from model.config import ModelConfig
 from model.layers import linear
 from model.plan import LayerPlan
-from model.quant_linear import PackedExperts
+from model.quant_linear import BIAS_COLUMNS, StackedExperts
 
 
 class Expert(nn.Module):
@@ -61,29 +61,16 @@ class MoE(nn.Module):
         self.gate = Gate(cfg, plan, experts, plan.top_k)
         inter, limit = cfg.moe_intermediate_size, cfg.swiglu_limit
         self.shape = (experts, cfg.hidden_size, inter, limit)
-        self.experts: nn.ModuleList | PackedExperts = nn.ModuleList(
-            Expert(cfg.hidden_size, inter, limit) for _ in range(experts)
-        )
+        self.experts = StackedExperts(*self.shape)
         self.shared_experts = Expert(cfg.hidden_size, inter, limit) if cfg.n_shared_experts else None
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         picked, weights = self.gate(x, ids)
-        if isinstance(self.experts, PackedExperts):
-            out = self.experts(x, picked, weights)
-        else:
-            out = self._dense_experts(x, picked, weights)
+        out = self.experts(x, picked, weights)
         if self.shared_experts is not None:
             out += self.shared_experts(x).float()
         return out.to(x.dtype)
 
-    def pack_experts(self) -> None:
-        """Hold the routed experts as stacked MXFP4 bytes (the loader calls it on ``meta``)."""
-        self.experts = PackedExperts(*self.shape)
-
-    def _dense_experts(self, x: torch.Tensor, picked: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        # Reads the picked experts back to the host: the packed path (moe_gemm) does not.
-        out = torch.zeros_like(x, dtype=torch.float32)
-        for e in picked.unique().tolist():
-            token, slot = torch.where(picked == e)
-            out.index_add_(0, token, self.experts[e](x[token]).float() * weights[token, slot, None])
-        return out
+    def pack_experts(self, fmt: str, block: int = 1, bias_columns: tuple[int, ...] = BIAS_COLUMNS) -> None:
+        """Hold the routed experts in the stored format ``fmt`` (the loader calls it on ``meta``)."""
+        self.experts = StackedExperts(*self.shape, fmt, block, bias_columns)

@@ -6,7 +6,7 @@ checkpoint stores it quantised, so the stored bytes and scales are the module's 
 checkpoint's own names (``X.weight`` / ``X.scale``, msModelSlim's ``X.weight_scale`` /
 ``X.weight_offset``). The forward is ``triton_kernels.quant_matmul``: the Triton kernel on a device,
 its torch reference on the CPU, which decodes one tile of rows at a time (the weight stays packed).
-``PackedExperts`` does the same for a MoE layer's MXFP4 routed experts, stacked for ``moe_gemm``.
+``StackedExperts`` holds a MoE layer's routed experts, of any format, stacked for ``moe_gemm``.
 """
 
 from __future__ import annotations
@@ -18,9 +18,16 @@ from torch import nn
 
 from triton_kernels.moe_gemm import RoutedExperts, moe_gemm
 from triton_kernels.quant_matmul import (
+    DENSE,
+    FP8,
+    INT4,
+    INT8,
+    MXFP4,
     MXFP4_GROUP,
     QuantWeight,
+    dense_weight,
     fp8_weight,
+    int4_weight,
     int8_weight,
     mxfp4_weight,
     quant_matmul,
@@ -113,34 +120,86 @@ class Int8Linear(PackedLinear):
         return int8_weight(self.weight[start:stop], self.weight_scale[start:stop])
 
 
-class PackedExperts(nn.Module):
-    """A MoE layer's routed experts in MXFP4, stacked (``w1`` / ``w3`` ``[E, I, D/2]``, ``w2``
-    ``[E, D, I/2]`` with their ``*_scale``) for ``moe_gemm``: tokens sorted by expert on the device,
-    no host read. The state dict names them per expert, as the checkpoint does."""
+# W4A8 ``scale_bias`` columns of w1, w2, w3 as msModelSlim writes them (w2: one per tensor-parallel slice).
+BIAS_COLUMNS = (1, 16, 1)
+
+
+def _expert_tensors(fmt: str, out: int, inp: int, block: int, bias_columns: int) -> dict[str, tuple]:
+    """One routed expert's projection in ``fmt``: checkpoint suffix -> (shape, dtype)."""
+    channel = ((out, 1), torch.float32)
+    return {
+        DENSE: {"weight": ((out, inp), torch.float32)},
+        FP8: {
+            "weight": ((out, inp), torch.float8_e4m3fn),
+            "scale": ((_ceil(out, block), _ceil(inp, block)), torch.float8_e8m0fnu),
+        },
+        MXFP4: {
+            "weight": ((out, inp // 2), torch.int8),
+            "scale": ((out, _ceil(inp, MXFP4_GROUP)), torch.float8_e8m0fnu),
+        },
+        INT8: {"weight": ((out, inp), torch.int8), "weight_scale": channel, "weight_offset": channel},
+        INT4: {
+            "weight": ((out // 2, inp), torch.int8),
+            "weight_scale": channel,
+            "weight_offset": channel,
+            "scale_bias": ((out, bias_columns), torch.float32),
+        },
+    }[fmt]
+
+
+class StackedExperts(nn.Module):
+    """A MoE layer's routed experts in any stored format (dense, FP8, MXFP4, int8 W8A8, int4 W4A8), each
+    projection stacked over the experts (``w1`` / ``w3`` ``[E, I, ...]``, ``w2`` ``[E, D, ...]``, with their
+    scales as ``{proj}_{suffix}``) for ``moe_gemm``: tokens sorted by expert on the device, no host read.
+    Dense stacks are parameters (the loader sets their dtype), the others buffers. The state dict names
+    them per expert, as the checkpoint does (``{e}.w1.weight``, ``{e}.w1.scale``, ...).
+
+    ``bias_columns``: the columns of W4A8's ``scale_bias`` per projection, as the checkpoint has them."""
 
     PROJECTIONS = ("w1", "w2", "w3")
 
-    def __init__(self, experts: int, hidden: int, inter: int, limit: float | None):
+    def __init__(self, experts: int, hidden: int, inter: int, limit: float | None, fmt: str = DENSE,
+                 block: int = 1, bias_columns: tuple[int, ...] = BIAS_COLUMNS):  # fmt: skip
         super().__init__()
-        self.limit = limit
-        for name, (out, inp) in zip(
-            self.PROJECTIONS, ((inter, hidden), (hidden, inter), (inter, hidden)), strict=True
-        ):
-            self.register_buffer(name, torch.empty(experts, out, inp // 2, dtype=torch.int8))
-            scale = torch.empty(experts, out, _ceil(inp, MXFP4_GROUP), dtype=torch.float8_e8m0fnu)
-            self.register_buffer(f"{name}_scale", scale)
+        self.limit, self.format, self.block = limit, fmt, block
+        shapes = ((inter, hidden), (hidden, inter), (inter, hidden))
+        for name, (out, inp), columns in zip(self.PROJECTIONS, shapes, bias_columns, strict=True):
+            for suffix, (shape, dtype) in _expert_tensors(fmt, out, inp, block, columns).items():
+                t = torch.empty(experts, *shape, dtype=dtype)
+                if fmt == DENSE:
+                    self.register_parameter(name, nn.Parameter(t))
+                else:
+                    self.register_buffer(self._attribute(name, suffix), t)
+
+    @staticmethod
+    def _attribute(projection: str, suffix: str) -> str:
+        return projection if suffix == "weight" else f"{projection}_{suffix}"
 
     def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
         for name in self.PROJECTIONS:
-            stack, scale = getattr(self, name), getattr(self, f"{name}_scale")
-            for e in range(stack.shape[0]):
-                destination[f"{prefix}{e}.{name}.weight"] = stack[e]
-                destination[f"{prefix}{e}.{name}.scale"] = scale[e]
+            for suffix in _expert_tensors(self.format, 2, 2, 1, 1):
+                stack = getattr(self, self._attribute(name, suffix))
+                stack = stack if keep_vars else stack.detach()
+                for e in range(stack.shape[0]):
+                    destination[f"{prefix}{e}.{name}.{suffix}"] = stack[e]
+
+    def _weight(self, name: str) -> QuantWeight:
+        data = getattr(self, name)
+        if self.format == DENSE:
+            return dense_weight(data)
+        if self.format == FP8:
+            return fp8_weight(data, getattr(self, f"{name}_scale"), self.block)
+        if self.format == MXFP4:
+            return mxfp4_weight(data, getattr(self, f"{name}_scale"))
+        factory = int8_weight if self.format == INT8 else int4_weight
+        return factory(data, getattr(self, f"{name}_weight_scale"))  # offsets are zero (checked at load)
 
     def routed(self) -> RoutedExperts:
-        w1, w2, w3 = (mxfp4_weight(getattr(self, n), getattr(self, f"{n}_scale")) for n in self.PROJECTIONS)
-        return RoutedExperts(w1, w3, w2, self.limit)
+        return RoutedExperts(self._weight("w1"), self._weight("w3"), self._weight("w2"), self.limit)
 
     def forward(self, x: torch.Tensor, picked: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """``sum_j weights[t, j] * expert_{picked[t, j]}(x[t])`` in fp32."""
         return moe_gemm(x, picked, weights.float(), self.routed()).float()
+
+    def extra_repr(self) -> str:
+        return f"format={self.format}, experts={self.w1.shape[0]}"

@@ -6,7 +6,11 @@ scales, MXFP4 routed experts, bf16 embeddings / head / norms / router, fp32 mHC 
 bias, one shard per layer. ``msmodelslim`` is the Ascend W8A8 layout of model-spec §9.5: int8 weights
 with fp32 ``weight_scale`` / ``weight_offset`` where msModelSlim quantises, bf16 elsewhere, the
 ``quant_model_description.json`` naming each tensor's type and ``quant_model_weights*`` shards.
-Tensors are written shard by shard, so the writer's memory is one layer, not the model.
+``msmodelslim-w4a8`` is the same with the routed experts in W4A8 (V4-Pro's layout): int4 codes packed two
+per byte along the output dimension (``weight [out/2, in]`` int8, output ``2j`` in the low nibble of
+byte row ``j``), fp32 ``weight_scale`` / ``weight_offset`` ``[out, 1]`` and ``scale_bias`` (``[out, 1]``
+for ``w1`` / ``w3``, ``[out, 16]`` for ``w2``). Tensors are written shard by shard, so the writer's
+memory is one layer, not the model.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from safetensors.torch import load_file, save_file
 
 from model.config import ModelConfig
 from model.deepseek_v4 import DeepseekV4
+from model.quant_linear import BIAS_COLUMNS
 from model.tiny import FP8_CONFIG, TOY_V4
 from model.tokenizer import write_tokenizer
 from triton_kernels.quant import quantize_int8_ref
@@ -61,7 +66,7 @@ V4_FLASH = {
     "quantization_config": {**FP8_CONFIG, "weight_block_size": [128, 128]},
 }
 LIKES = {"v4-flash": V4_FLASH}
-LAYOUTS = ("official", "msmodelslim")
+LAYOUTS = ("official", "msmodelslim", "msmodelslim-w4a8")
 DESCRIPTION_FILE = "quant_model_description.json"
 _FP4 = re.compile(r"\.experts\.\d+\.w[123]\.weight$")
 _FP8 = re.compile(
@@ -70,6 +75,40 @@ _FP8 = re.compile(
 # msModelSlim's W8A8 set (model-spec §9.5): wo_a / wo_b and everything unquantised stay bf16.
 _W8A8 = re.compile(r"\.(attn\.(wq_a|wq_b|wkv)|indexer\.wq_b|(shared_)?experts\.(\d+\.)?w[123])\.weight$")
 _FP32 = re.compile(r"(hc_\w+|attn_sink|\.ape|gate\.bias)$")
+_W2 = re.compile(r"\.w2\.weight$")
+INT4_MAX = 7  # symmetric int4: codes in [-7, 7]
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """int4 codes ``[out, in]`` (out even) -> bytes ``[out/2, in]``: output ``2j`` low nibble, ``2j+1``
+    high."""
+    return ((codes[0::2] & 15) | (codes[1::2] << 4)).to(torch.int8)
+
+
+def int4_parts(name: str, codes: torch.Tensor, scale: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A W4A8 weight and its siblings from its int4 codes ``[out, in]`` and scales ``[out]``.
+
+    ``scale_bias`` is what Ascend's grouped W4A8 matmul adds back for the +8 shift it applies to the
+    activations' low half: ``8 * s_w[n] * sum_k q[n, k]``, split in column slices for ``w2`` (vLLM-Ascend
+    sums them). Our kernels compute the int8 x int4 product directly and never read it."""
+    slices = BIAS_COLUMNS[1] if _W2.search(name) else BIAS_COLUMNS[0]
+    sums = torch.stack([part.sum(-1) for part in codes.float().tensor_split(slices, dim=1)], dim=1)
+    bias = 8 * scale[:, None] * sums
+    return {**int8_parts(name, pack_int4(codes), scale), f"{name.removesuffix('.weight')}.scale_bias": bias}
+
+
+def int8_parts(name: str, q: torch.Tensor, scale: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A W8A8 weight (or W4A8's packed bytes) with its fp32 ``weight_scale`` and zero ``weight_offset``."""
+    base = name.removesuffix(".weight")
+    channels = scale.reshape(-1, 1).float()
+    return {name: q, f"{base}.weight_scale": channels, f"{base}.weight_offset": torch.zeros_like(channels)}
+
+
+def quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int4: ``scale = amax / 7``, codes rounded half away from zero."""
+    scale = w.float().abs().amax(dim=-1) / INT4_MAX
+    y = w.float() / scale.clamp_min(1e-30)[:, None]
+    return (torch.sign(y) * torch.floor(y.abs() + 0.5)).clamp(-INT4_MAX, INT4_MAX).to(torch.int8), scale
 
 
 def like_config(like: str, layers: int, experts: int) -> dict:
@@ -108,10 +147,13 @@ def stored(
     """Tensor ``name`` (dense shape ``shape``) and its scale siblings as ``layout`` stores them."""
     base = name.removesuffix(".weight")
     out, cols = shape[0], shape[-1]
-    if layout == "msmodelslim" and _W8A8.search(name):
-        scale = torch.rand(out, 1, generator=gen) * 1e-3 + 1e-4
-        return {name: _codes(shape, gen).view(torch.int8), f"{base}.weight_scale": scale,
-                f"{base}.weight_offset": torch.zeros(out, 1)}  # fmt: skip
+    if layout == "msmodelslim-w4a8" and _FP4.search(name):
+        codes = torch.randint(-INT4_MAX, INT4_MAX + 1, shape, dtype=torch.int8, generator=gen)
+        return int4_parts(name, codes, torch.rand(out, generator=gen) * 1e-2 + 1e-3)
+    if layout.startswith("msmodelslim") and _W8A8.search(name):
+        return int8_parts(
+            name, _codes(shape, gen).view(torch.int8), torch.rand(out, generator=gen) * 1e-3 + 1e-4
+        )
     if layout == "official" and _FP4.search(name):
         packed = _codes((out, cols // 2), gen).view(torch.int8)
         return {name: packed, f"{base}.scale": _exponents((out, -(-cols // 32)), gen)}
@@ -140,7 +182,7 @@ def write_like(out: str | Path, like: str = "v4-flash", layers: int = 2, experts
         key = re.match(r"^(layers\.\d+|mtp\.\d+)\.", name)
         groups.setdefault(key[1] if key else "global", []).append(name)
     gen = torch.Generator().manual_seed(seed)
-    slim = layout == "msmodelslim"
+    slim = layout.startswith("msmodelslim")
     prefix = "quant_model_weights" if slim else "model"
     weight_map, description, total = {}, {}, 0
     for i, names in enumerate(groups.values()):
@@ -148,8 +190,7 @@ def write_like(out: str | Path, like: str = "v4-flash", layers: int = 2, experts
         tensors = {}
         for name in names:
             parts = stored(name, shapes[name], layout, experts, gen)
-            kind = "W8A8_DYNAMIC" if parts[name].dtype == torch.int8 else "FLOAT"
-            description.update(dict.fromkeys(parts, kind))
+            description.update(dict.fromkeys(parts, slim_type(parts)))
             tensors.update(parts)
         save_file(tensors, out / file)
         total += sum(t.numel() * t.element_size() for t in tensors.values())
@@ -158,35 +199,46 @@ def write_like(out: str | Path, like: str = "v4-flash", layers: int = 2, experts
     (out / f"{prefix}.safetensors.index.json").write_text(json.dumps(index, indent=1) + "\n")
     if slim:
         del raw["quantization_config"]
-        meta = {"version": "1.0.0", "model_quant_type": "W8A8_DYNAMIC", "group_size": 0, "metadata": {}}
-        (out / DESCRIPTION_FILE).write_text(json.dumps({**meta, **description}, indent=1) + "\n")
+        _describe(out, description, layout)
     (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     return out
 
 
-def to_msmodelslim(src: str | Path, out: str | Path) -> Path:
-    """A small dense checkpoint (``model.tiny``) rewritten in the msModelSlim W8A8 layout: msModelSlim's
-    W8A8 set as symmetric int8 with per-channel scales, the rest as stored (no QuaRot rotation: the
-    result is checked against its own dequantised form, as model-spec §9.5 says)."""
+def slim_type(parts: dict[str, torch.Tensor]) -> str:
+    """msModelSlim's type of a weight and its siblings: int8 with a ``scale_bias`` is W4A8."""
+    if any(n.endswith(".scale_bias") for n in parts):
+        return "W4A8_DYNAMIC"
+    return "W8A8_DYNAMIC" if next(iter(parts.values())).dtype == torch.int8 else "FLOAT"
+
+
+def _describe(out: Path, description: dict[str, str], layout: str) -> None:
+    kind = "W4A8_DYNAMIC" if layout == "msmodelslim-w4a8" else "W8A8_DYNAMIC"
+    meta = {"version": "1.0.0", "model_quant_type": kind, "group_size": 0, "metadata": {}}
+    (out / DESCRIPTION_FILE).write_text(json.dumps({**meta, **description}, indent=1) + "\n")
+
+
+def to_msmodelslim(src: str | Path, out: str | Path, layout: str = "msmodelslim") -> Path:
+    """A small dense checkpoint (``model.tiny``) rewritten in an msModelSlim layout: msModelSlim's W8A8
+    set as symmetric int8 with per-channel scales (with ``msmodelslim-w4a8`` the routed experts as int4),
+    the rest as stored (no QuaRot rotation: the result is checked against its own dequantised form, as
+    model-spec §9.5 says)."""
+    if layout not in LAYOUTS[1:]:
+        raise ValueError(f"layout={layout!r}: one of {', '.join(LAYOUTS[1:])}")
     src, out = Path(src), Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tensors, description = {}, {}
     for name, t in load_file(src / "model.safetensors").items():
-        if _W8A8.search(name):
+        if layout == "msmodelslim-w4a8" and _FP4.search(name):
+            parts = int4_parts(name, *quantize_int4(t))
+        elif _W8A8.search(name):
             q, scale = quantize_int8_ref(t)
-            base = name.removesuffix(".weight")
-            parts = {
-                name: q,
-                f"{base}.weight_scale": scale[:, None],
-                f"{base}.weight_offset": torch.zeros_like(scale)[:, None],
-            }
-            description.update(dict.fromkeys(parts, "W8A8_DYNAMIC"))
-            tensors.update(parts)
+            parts = int8_parts(name, q, scale)
         else:
-            tensors[name], description[name] = t, "FLOAT"
+            parts = {name: t}
+        description.update(dict.fromkeys(parts, slim_type(parts)))
+        tensors.update(parts)
     save_file(tensors, out / "quant_model_weights.safetensors")
-    meta = {"version": "1.0.0", "model_quant_type": "W8A8_DYNAMIC", "group_size": 0, "metadata": {}}
-    (out / DESCRIPTION_FILE).write_text(json.dumps({**meta, **description}, indent=1) + "\n")
+    _describe(out, description, layout)
     raw = json.loads((src / "config.json").read_text())
     raw.pop("quantization_config", None)
     (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")

@@ -285,7 +285,7 @@ def cached_tiny(arch: str) -> Path:
 
 
 def main() -> None:
-    from model.release_like import LAYOUTS, LIKES, write_like  # it builds on this module's toy config
+    from model.release_like import LAYOUTS, LIKES, to_msmodelslim, write_like  # it builds on this module
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", default="v4", choices=ARCHS)
@@ -298,10 +298,18 @@ def main() -> None:
     parser.add_argument("--like", choices=tuple(LIKES), help="a release's widths with few layers and experts")
     parser.add_argument("--layers", type=int, default=2, help="with --like: backbone layers")
     parser.add_argument("--experts", type=int, default=16, help="with --like: routed experts")
-    parser.add_argument("--layout", choices=LAYOUTS, default="official", help="with --like: storage layout")
+    parser.add_argument(
+        "--layout",
+        choices=LAYOUTS,
+        default="official",
+        help="storage layout (without --like: of the fp32 toy)",
+    )
     args = parser.parse_args()
     if args.like:
         print(write_like(args.out, args.like, args.layers, args.experts, args.layout, args.seed))
+    elif args.layout != "official":  # msModelSlim W8A8 / W4A8 quantised from the fp32 toy
+        with tempfile.TemporaryDirectory() as scratch:
+            print(to_msmodelslim(write_tiny(scratch, args.arch, seed=args.seed), args.out, args.layout))
     else:
         print(write_tiny(args.out, args.arch, args.fp8, args.shards, args.seed))
 

@@ -10,13 +10,17 @@ Contract
 
     ``L = swiglu_limit`` (``None``: no clamp). A choice whose id is outside ``[0, E)`` (``-1``: none) adds
     nothing; ids are not range-checked on the host (that would synchronise). The experts are stacks of
-    ``quant_matmul`` weights (``fp8_weight`` / ``mxfp4_weight`` of ``[E, N, ...]`` bytes): ``w1`` and
-    ``w3`` share a format, ``w2`` has its own; weights stay packed. The sum over ``j`` runs in slot order.
+    ``quant_matmul`` weights of ``[E, N, ...]`` (``dense_weight``, ``fp8_weight``, ``mxfp4_weight``,
+    ``int8_weight``, ``int4_weight``): ``w1`` and ``w3`` share a format, ``w2`` has its own; weights stay
+    packed. The integer formats (W8A8, W4A8) quantise the tokens per row (symmetric int8, dynamic), and
+    the SwiGLU output per row again before ``w2``; int32 accumulation. The sum over ``j`` runs in slot
+    order.
 
 Routing
     ``sort_by_expert`` orders the ``T * k`` choices by expert (stable: tokens ascending within an
     expert, dropped choices last) and gives each expert's row range ``offsets[e]:offsets[e + 1]``.
-    Experts with no token have an empty range and cost one scalar load per program.
+    Experts with no token have an empty range and cost one scalar load per program. The CPU reference
+    walks the same ranges, expert by expert, decoding one tile of weight rows at a time.
 
 Kernels
     One ``@triton.jit`` body, two launches. ``GATE_UP``: for each expert and each ``BLOCK_M`` tile of its
@@ -27,7 +31,10 @@ Kernels
     scatter). The combine gathers each token's ``k`` rows
     back and sums them in slot order (torch). Tasks (expert, row tile, column tile) are dealt round
     robin over a persistent grid; the expert's weights are reached by a pointer advanced once per
-    expert (the release's FP8 stacks exceed int32 byte offsets). Weight, ``h`` and output tiles are
+    expert (the release's FP8 stacks exceed int32 byte offsets). The integer formats run
+    ``quant_matmul.int_matmul_tile`` (int8 dots) and rescale by the row's and the channel's scales. An
+    int4 column tile is one nibble of ``BLOCK_N`` byte rows, i.e. every other output column: its weight
+    tile stays affine, one dot covers it, and its store is strided by two. Weight, ``h`` and output tiles are
     affine with range masks (rectangular sub-views on Ascend); the gathered ``x`` rows use token 0 for
     the rows past the expert's range and clamped columns, so no lane reads outside ``x``.
 """
@@ -41,12 +48,15 @@ import triton
 import triton.language as tl
 
 from triton_kernels import runtime, tuning
+from triton_kernels.quant import quantize_int8_ref
 from triton_kernels.quant_matmul import (
-    FP8,
-    MXFP4,
+    DENSE,
+    FORMAT_IDS,
+    INTEGER_FORMATS,
     PACKED_CONFIGS,
     QuantWeight,
     check_activations,
+    int_matmul_tile,
     packed_matmul_tile,
     packed_ub,
     quant_matmul_ref,
@@ -54,7 +64,6 @@ from triton_kernels.quant_matmul import (
 from triton_kernels.spec import TuneConfig, Variant
 
 _ID_DTYPES = (torch.int32, torch.int64)
-_FORMAT_IDS = {FP8: 0, MXFP4: 1}
 _MAX_INT32 = 2**31 - 1
 
 
@@ -99,9 +108,9 @@ class RoutedExperts:
     def __post_init__(self) -> None:
         w1, w3, w2, experts = self.w1, self.w3, self.w2, self.w1.num_experts
         for name, w in (("w1", w1), ("w3", w3), ("w2", w2)):
-            if w.format not in _FORMAT_IDS:
+            if w.format not in FORMAT_IDS:
                 raise ValueError(
-                    f"{name}: format {w.format!r} not supported, expected one of {tuple(_FORMAT_IDS)}"
+                    f"{name}: format {w.format!r} not supported, expected one of {tuple(FORMAT_IDS)}"
                 )
             if w.num_experts != experts or experts < 1:
                 raise ValueError(
@@ -165,22 +174,26 @@ def _validate(
 def moe_gemm_ref(
     x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: RoutedExperts
 ) -> torch.Tensor:
+    """Each expert's sorted rows at once; ``quant_matmul_ref`` decodes one tile of its rows at a time and
+    quantises the integer formats' activations per row (the tokens, then the SwiGLU output)."""
     t, k = topk_ids.shape
-    contributions = torch.zeros((t, k, x.shape[1]), dtype=torch.float32, device=x.device)
-    for e in range(experts.num_experts):
-        tokens, slots = (topk_ids == e).nonzero(as_tuple=True)
-        if tokens.numel() == 0:
+    routing = sort_by_expert(topk_ids, topk_weights, experts.num_experts)
+    y = torch.zeros((routing.tokens.numel(), x.shape[1]), dtype=torch.float32, device=x.device)
+    bounds = routing.offsets.tolist()  # the reference runs where the tensors live in host memory
+    for e, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
+        if lo == hi:
             continue
-        xe = x[tokens].float()
+        xe = x[routing.tokens[lo:hi]].float()
         gate, up = quant_matmul_ref(xe, experts.w1.expert(e)), quant_matmul_ref(xe, experts.w3.expert(e))
-        y = quant_matmul_ref(swiglu(gate, up, experts.swiglu_limit), experts.w2.expert(e))
-        contributions[tokens, slots] = y * topk_weights[tokens, slots, None]
-    return contributions.sum(1).to(x.dtype)
+        down = quant_matmul_ref(swiglu(gate, up, experts.swiglu_limit), experts.w2.expert(e))
+        y[lo:hi] = down * routing.weights[lo:hi, None]
+    return y[routing.inverse].view(t, k, x.shape[1]).sum(1).to(x.dtype)
 
 
 @triton.jit
 def _moe_kernel(
     a_ptr,
+    as_ptr,
     tok_ptr,
     off_ptr,
     rw_ptr,
@@ -190,6 +203,7 @@ def _moe_kernel(
     s3_ptr,
     out_ptr,
     N,
+    NW,
     K,
     SK,
     E,
@@ -204,7 +218,10 @@ def _moe_kernel(
     BLOCK_K: tl.constexpr,
 ):
     pid, programs = tl.program_id(0), tl.num_programs(0)
-    n_tiles = tl.cdiv(N, BLOCK_N)
+    # int4 holds two output rows per byte row (NW = N / 2): a column tile takes one nibble of BLOCK_N byte
+    # rows (every other output column), so its weight tile stays affine and one dot covers it.
+    parities = N // NW
+    n_tiles = tl.cdiv(NW, BLOCK_N) * parities
     task = 0
     w_e, s_e, w3_e, s3_e = w_ptr, s_ptr, w3_ptr, s3_ptr
     for e in range(E):
@@ -215,26 +232,37 @@ def _moe_kernel(
         for t in range((pid - task % programs + programs) % programs, expert_tasks, programs):
             rows = lo + (t // n_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
             row_ok = rows < hi
-            n0 = (t % n_tiles) * BLOCK_N
+            j0 = (t % n_tiles) // parities * BLOCK_N
+            parity = t % parities
+            wrows = j0 + tl.arange(0, BLOCK_N)
+            cols = wrows * parities + parity
+            col_ok = wrows < NW
             if GATE_UP:
                 # Token 0 stands in for the rows past the expert's: every gathered address is valid.
-                a_rows = a_ptr + tl.load(tok_ptr + rows, mask=row_ok, other=0)[:, None] * K
+                a_idx = tl.load(tok_ptr + rows, mask=row_ok, other=0)
             else:
-                a_rows = a_ptr + rows[:, None] * K
-            acc, acc2 = packed_matmul_tile(
-                a_rows, row_ok, w_e, s_e, w3_e, s3_e, n0, N, K, SK, GATE_UP, GATE_UP,
-                FORMAT, SCALE_BLOCK, BLOCK_M, BLOCK_N, BLOCK_K,
-            )  # fmt: skip
+                a_idx = rows
+            a_rows = a_ptr + a_idx[:, None] * K
+            if FORMAT >= 3:
+                acc_q, acc2_q = int_matmul_tile(
+                    a_rows, row_ok, w_e, w3_e, wrows, col_ok, K, 28 - 4 * parity, GATE_UP, GATE_UP,
+                    FORMAT == 4, BLOCK_M, BLOCK_N, BLOCK_K,
+                )  # fmt: skip
+                a_scale = tl.load(as_ptr + a_idx, mask=row_ok, other=0.0)[:, None]
+                acc = acc_q.to(tl.float32) * a_scale * tl.load(s_e + cols, mask=col_ok, other=0.0)[None, :]
+                acc2 = acc2_q.to(tl.float32) * a_scale * tl.load(s3_e + cols, mask=col_ok, other=0.0)[None, :]
+            else:
+                acc, acc2 = packed_matmul_tile(
+                    a_rows, row_ok, w_e, s_e, w3_e, s3_e, j0, N, K, SK, GATE_UP, GATE_UP,
+                    FORMAT, SCALE_BLOCK, BLOCK_M, BLOCK_N, BLOCK_K,
+                )  # fmt: skip
             if GATE_UP:
                 gate = tl.minimum(acc, limit)
                 up = tl.minimum(tl.maximum(acc2, -limit), limit)
                 y = gate / (1.0 + tl.exp(-gate)) * up
             else:
                 y = acc * tl.load(rw_ptr + rows, mask=row_ok, other=0.0)[:, None]
-            cols = n0 + tl.arange(0, BLOCK_N)
-            tl.store(
-                out_ptr + rows[:, None] * N + cols[None, :], y, mask=row_ok[:, None] & (cols[None, :] < N)
-            )
+            tl.store(out_ptr + rows[:, None] * N + cols[None, :], y, mask=row_ok[:, None] & col_ok[None, :])
         task += expert_tasks
         w_e += w_stride
         s_e += s_stride
@@ -245,6 +273,7 @@ def _moe_kernel(
 def _launch(
     tuned: tuning.TunedKernel,
     a: torch.Tensor,
+    a_scale: torch.Tensor,
     routing: ExpertRouting,
     w: QuantWeight,
     w3: QuantWeight,
@@ -253,32 +282,46 @@ def _launch(
     gate_up: bool,
 ) -> None:
     rows, n, k, experts = routing.tokens.numel(), out.shape[1], w.in_features, w.num_experts
+    n_weight = w.data.shape[1]  # weight rows: N, or N / 2 int4 byte rows
 
     def grid(meta: dict[str, int]) -> tuple[int]:
-        tiles = (triton.cdiv(rows, meta["BLOCK_M"]) + experts) * triton.cdiv(n, meta["BLOCK_N"])
-        return tuned.grid(tiles)
+        tiles = (triton.cdiv(rows, meta["BLOCK_M"]) + experts) * triton.cdiv(n_weight, meta["BLOCK_N"])
+        return tuned.grid(tiles * (n // n_weight))
 
+    # Dense weights have no scale: the activation scales stand in (never read, the stride is 0).
+    dense = w.format == DENSE
+    scale, scale3 = (a_scale, a_scale) if dense else (w.scale, w3.scale)
     tuned[grid](
         a,
+        a_scale,
         routing.tokens,
         routing.offsets,
         routing.weights,
         w.data,
-        w.scale,
+        scale,
         w3.data,
-        w3.scale,
+        scale3,
         out,
         n,
+        n_weight,
         k,
-        w.scale.shape[-1],
+        max(1, w.scale.shape[-1]),
         experts,
         w.data.stride(0),
-        w.scale.stride(0),
+        0 if dense else scale.stride(0),
         limit,
         GATE_UP=gate_up,
-        FORMAT=_FORMAT_IDS[w.format],
+        FORMAT=FORMAT_IDS[w.format],
         SCALE_BLOCK=w.block,
     )
+
+
+def _activations(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a launch reads as ``a``: int8 rows and their scales for the integer formats (the rounding of
+    ``quant_matmul_ref``), else the rows themselves (with a scale that is never read)."""
+    if fmt in INTEGER_FORMATS:
+        return quantize_int8_ref(x)
+    return x.contiguous(), torch.ones(1, device=x.device)
 
 
 def moe_gemm_triton(
@@ -287,12 +330,17 @@ def moe_gemm_triton(
     t, k = topk_ids.shape
     routing = sort_by_expert(topk_ids, topk_weights, experts.num_experts)
     rows = routing.tokens.numel()
-    hidden = torch.empty((rows, experts.inter), dtype=torch.float32, device=x.device)
+    # Zeros: the integer formats quantise every row of it, the dropped ones too.
+    hidden = torch.zeros((rows, experts.inter), dtype=torch.float32, device=x.device)
     y = torch.zeros((rows, x.shape[1]), dtype=torch.float32, device=x.device)  # dropped rows stay 0
     if rows:
         limit = float("inf") if experts.swiglu_limit is None else float(experts.swiglu_limit)
-        _launch(_gate_up_tuned, x.contiguous(), routing, experts.w1, experts.w3, hidden, limit, gate_up=True)
-        _launch(_down_tuned, hidden, routing, experts.w2, experts.w2, y, limit, gate_up=False)
+        a, a_scale = _activations(x, experts.w1.format)
+        _launch(_gate_up_tuned, a, a_scale, routing, experts.w1, experts.w3, hidden, limit, gate_up=True)
+        # The integer formats quantise the SwiGLU output per row again before w2 (a dynamic per-token
+        # scale, as Ascend's grouped W8A8 / W4A8 path does).
+        h, h_scale = _activations(hidden, experts.w2.format)
+        _launch(_down_tuned, h, h_scale, routing, experts.w2, experts.w2, y, limit, gate_up=False)
     return y[routing.inverse].view(t, k, x.shape[1]).sum(1).to(x.dtype)
 
 
@@ -310,11 +358,29 @@ _DOWN_CONFIGS = PACKED_CONFIGS[:2]
 _KEY = ["N", "K", "FORMAT", "SCALE_BLOCK"]
 
 
-def _signature(a: str) -> dict[str, str]:
-    pointers = {"a_ptr": a, "tok_ptr": "*i32", "off_ptr": "*i32", "rw_ptr": "*fp32"}
-    weights = dict.fromkeys(("w_ptr", "s_ptr", "w3_ptr", "s3_ptr"), "*u8")
-    ints = dict.fromkeys(("N", "K", "SK", "E", "w_stride", "s_stride"), "i32")
+def _signature(a: str, w: str = "*u8", s: str = "*u8") -> dict[str, str]:
+    pointers = {"a_ptr": a, "as_ptr": "*fp32", "tok_ptr": "*i32", "off_ptr": "*i32", "rw_ptr": "*fp32"}
+    weights = {"w_ptr": w, "s_ptr": s, "w3_ptr": w, "s3_ptr": s}
+    ints = dict.fromkeys(("N", "NW", "K", "SK", "E", "w_stride", "s_stride"), "i32")
     return {**pointers, **weights, "out_ptr": "*fp32", **ints, "limit": "fp32"}
+
+
+def _variants(gate_up: int) -> tuple[Variant, ...]:
+    """Every format's (FORMAT, SCALE_BLOCK) with the dtypes it launches with: the gate / up GEMM reads the
+    tokens (fp32 or bf16; int8 for the integer formats), the down GEMM the fp32 SwiGLU output (int8)."""
+    a = ("*fp32", "*bf16") if gate_up else ("*fp32",)
+    packed = tuple(_signature(x) for x in a)
+    if gate_up:  # the tokens and the weights in the compute dtype
+        dense = tuple(_signature(x, x, "*fp32") for x in a)
+    else:
+        dense = tuple(_signature("*fp32", w, "*fp32") for w in ("*fp32", "*bf16"))
+    integer = (_signature("*i8", "*i8", "*fp32"),)
+    formats = (((0, 128), packed), ((0, 32), packed), ((1, 32), packed), ((2, 1), dense), ((3, 1), integer),
+               ((4, 1), integer))  # fmt: skip
+    return tuple(
+        Variant({"GATE_UP": gate_up, "FORMAT": fmt, "SCALE_BLOCK": block}, signatures)
+        for (fmt, block), signatures in formats
+    )
 
 
 _gate_up_tuned, _down_tuned = (
@@ -323,13 +389,7 @@ _gate_up_tuned, _down_tuned = (
         _GATE_UP_CONFIGS if gate_up else _DOWN_CONFIGS,
         key=_KEY,
         name="gate_up" if gate_up else "down",
-        variants=tuple(
-            Variant(
-                {"GATE_UP": gate_up, "FORMAT": fmt, "SCALE_BLOCK": block},
-                (_signature("*fp32"), _signature("*bf16")) if gate_up else (_signature("*fp32"),),
-            )
-            for fmt, block in ((0, 128), (0, 32), (1, 32))
-        ),
+        variants=_variants(gate_up),
         uses_cube=True,
         never_one=("K",),  # MXFP4 K holds whole 32-value groups (see quant_matmul)
     )

@@ -11,11 +11,17 @@ Contract
     - ``int8_weight(data [N, K] int8, scale [N] | [N, 1] fp32)`` (W8A8, msModelSlim ``W8A8_DYNAMIC``):
       ``w = q * scale[n]``. ``x`` is quantised per token at run time (``quant.quantize_int8_ref``:
       symmetric, ``amax / 127``) and ``y = (x_q @ W_q^T) * s_x[m] * s_w[n]``, int32 accumulation.
+    - ``int4_weight(data [N/2, K] int8, scale [N] | [N, 1] fp32)`` (W4A8, msModelSlim ``W4A8_DYNAMIC``
+      routed experts): two's-complement int4 codes packed along the output dimension, byte ``[j, k]``
+      holding output ``2j`` in its low nibble and ``2j + 1`` in its high one; maths as int8.
+    - ``dense_weight(data [N, K] fp32 | bf16)``: the weight itself (a routed-expert stack of a dense
+      checkpoint), no scale.
 
     Each factory only views the bytes (no copy). An E8M0 byte 255 decodes to NaN, 0 to ``2**-127``;
     E4M3 ``0x7F`` / ``0xFF`` are NaN. Scale values are not range-checked (that would read the device).
     Leading dimensions (``data [E, N, ...]``, ``scale [E, ...]``) stack the routed experts for
-    ``moe_gemm``; ``weight.expert(e)`` is one of them. ``quant_matmul`` takes a 2-D weight.
+    ``moe_gemm``; ``weight.expert(e)`` is one of them. ``quant_matmul`` takes a 2-D FP8, MXFP4 or int8
+    weight (int4 and dense stacks exist for the routed experts only).
 
 Reference
     ``quant_matmul_ref`` decodes one tile of rows at a time (``B`` rows for FP8, 128 otherwise) with the
@@ -26,14 +32,17 @@ Kernels
     ``BLOCK_K`` slice it loads the weight bytes and their exponents, decodes them with integer ops and a
     bitcast to fp32 (no FP8 type: A2/A3 have none), scales them per group through a reshape (no
     gather) and calls ``tl.dot`` in fp32. MXFP4 splits ``x`` into its even and odd inputs, one dot per
-    nibble, so the codes never need interleaving. ``_int8_matmul_kernel``: int8 x int8 -> int32 dots,
-    rescaled once per tile. Loads and stores are affine tiles with range masks: triton-ascend lowers
+    nibble, so the codes never need interleaving. ``_int8_matmul_kernel``: int8 x int8 -> int32 dots
+    (``int_matmul_tile``, which ``moe_gemm`` shares and which also decodes int4 nibbles with two
+    shifts), rescaled once per tile. ``packed_matmul_tile`` also takes dense fp32 / bf16 weights
+    (``FORMAT`` 2) for ``moe_gemm``. Loads and stores are affine tiles with range masks: triton-ascend lowers
     them to rectangular sub-views (checked in the lowered IR: no element-wise fallback, no lane read
     outside the tensor). Clamping those offsets instead would turn every load into a scalar loop.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -44,10 +53,12 @@ from triton_kernels import runtime, tuning
 from triton_kernels.quant import quantize_int8_ref
 from triton_kernels.spec import TuneConfig, Variant
 
-FP8, MXFP4, INT8 = "fp8", "mxfp4", "int8"
+FP8, MXFP4, INT8, INT4, DENSE = "fp8", "mxfp4", "int8", "int4", "dense"
 FP8_BLOCKS = (32, 128)
 MXFP4_GROUP = 32
-_FORMAT_IDS = {FP8: 0, MXFP4: 1}
+FORMAT_IDS = {FP8: 0, MXFP4: 1, DENSE: 2, INT8: 3, INT4: 4}  # the kernels' FORMAT constexpr
+INTEGER_FORMATS = (INT8, INT4)  # int8 activations, int32 accumulation
+_MATMUL_FORMATS = (FP8, MXFP4, INT8)
 _X_DTYPES = (torch.float32, torch.bfloat16)
 _MAX_INT32 = 2**31 - 1  # offsets are int32 inside the kernels (the expert index is int64)
 _REF_ROWS = 128
@@ -60,12 +71,12 @@ class QuantWeight:
     format: str
     data: torch.Tensor
     scale: torch.Tensor
-    block: int  # FP8: B; MXFP4: 32; int8: 1 (per output channel)
+    block: int  # FP8: B; MXFP4: 32; int8 / int4: 1 (per output channel); dense: 1
     in_features: int
 
     @property
     def out_features(self) -> int:
-        return self.data.shape[-2]
+        return self.data.shape[-2] * (2 if self.format == INT4 else 1)
 
     @property
     def num_experts(self) -> int:
@@ -116,15 +127,38 @@ def mxfp4_weight(data: torch.Tensor, scale: torch.Tensor) -> QuantWeight:
     return QuantWeight(MXFP4, data, _bytes("mxfp4 scale", scale, (torch.uint8, torch.float8_e8m0fnu)), 32, k)
 
 
-def int8_weight(data: torch.Tensor, scale: torch.Tensor) -> QuantWeight:
-    if data.dtype != torch.int8 or data.dim() != 2:
-        raise ValueError(f"int8 data: {data.dtype} {tuple(data.shape)} must be a 2-D torch.int8 tensor")
-    n, k = data.shape
-    if scale.dtype != torch.float32 or scale.numel() != n or scale.shape[0] != n:
-        raise ValueError(f"int8 scale: {scale.dtype} {tuple(scale.shape)} must be [{n}] or [{n}, 1] fp32")
+def _channel_weight(fmt: str, data: torch.Tensor, scale: torch.Tensor, rows_per_byte: int) -> QuantWeight:
+    if data.dtype != torch.int8 or data.dim() not in (2, 3):
+        raise ValueError(
+            f"{fmt} data: {data.dtype} {tuple(data.shape)} must be a 2-D or 3-D torch.int8 tensor"
+        )
+    lead, n = tuple(data.shape[:-2]), data.shape[-2] * rows_per_byte
+    if (
+        scale.dtype != torch.float32
+        or scale.numel() != math.prod(lead) * n
+        or tuple(scale.shape[: len(lead) + 1]) != (*lead, n)
+    ):
+        raise ValueError(
+            f"{fmt} scale: {scale.dtype} {tuple(scale.shape)} must be {[*lead, n]} or {[*lead, n, 1]} fp32"
+        )
     if scale.device != data.device:
-        raise ValueError(f"int8 scale: device {scale.device} differs from data's {data.device}")
-    return QuantWeight(INT8, data.contiguous(), scale.reshape(n).contiguous(), 1, k)
+        raise ValueError(f"{fmt} scale: device {scale.device} differs from data's {data.device}")
+    return QuantWeight(fmt, data.contiguous(), scale.reshape(*lead, n).contiguous(), 1, data.shape[-1])
+
+
+def int8_weight(data: torch.Tensor, scale: torch.Tensor) -> QuantWeight:
+    return _channel_weight(INT8, data, scale, 1)
+
+
+def int4_weight(data: torch.Tensor, scale: torch.Tensor) -> QuantWeight:
+    return _channel_weight(INT4, data, scale, 2)
+
+
+def dense_weight(data: torch.Tensor) -> QuantWeight:
+    if data.dtype not in _X_DTYPES or data.dim() not in (2, 3):
+        raise ValueError(f"dense data: {data.dtype} {tuple(data.shape)} must be 2-D or 3-D of {_X_DTYPES}")
+    empty = torch.empty((*data.shape[:-2], 0), device=data.device)  # no scale; stacks like data
+    return QuantWeight(DENSE, data.contiguous(), empty, 1, data.shape[-1])
 
 
 def check_activations(name: str, x: torch.Tensor, weight: QuantWeight) -> None:
@@ -142,6 +176,10 @@ def check_activations(name: str, x: torch.Tensor, weight: QuantWeight) -> None:
 
 
 def quant_matmul(x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
+    if weight.format not in _MATMUL_FORMATS:
+        raise ValueError(
+            f"weight: format {weight.format!r} is for routed experts (moe_gemm), not {_MATMUL_FORMATS}"
+        )
     if weight.data.dim() != 2:
         raise ValueError(f"weight: data shape {tuple(weight.data.shape)} is a stack of experts, expected 2-D")
     check_activations("x", x, weight)
@@ -178,6 +216,15 @@ def decode_e2m1(c: torch.Tensor) -> torch.Tensor:
     return (bits | ((c & 8) << 28)).view(torch.float32)
 
 
+def integer_rows(weight: QuantWeight, start: int, stop: int) -> torch.Tensor:
+    """Rows ``[start, stop)`` of a 2-D int8 or int4 weight as int8 codes (``start`` even for int4)."""
+    if weight.format == INT8:
+        return weight.data[start:stop]
+    b = weight.data[start // 2 : -(-stop // 2)]
+    codes = torch.stack([(b << 4) >> 4, b >> 4], dim=1)  # arithmetic shifts: signed nibbles
+    return codes.view(-1, weight.in_features)[start % 2 : start % 2 + stop - start]
+
+
 def dequantize_rows(weight: QuantWeight, start: int, stop: int) -> torch.Tensor:
     """Rows ``[start, stop)`` of a 2-D weight in fp32 (``start`` a multiple of the FP8 block)."""
     k, rows = weight.in_features, weight.data[start:stop]
@@ -189,17 +236,19 @@ def dequantize_rows(weight: QuantWeight, start: int, stop: int) -> torch.Tensor:
         codes = torch.stack([rows & 15, rows >> 4], dim=-1).view(stop - start, k)
         scale = decode_e8m0(weight.scale[start:stop]).repeat_interleave(MXFP4_GROUP, 1)[:, :k]
         return decode_e2m1(codes) * scale
-    return rows.float() * weight.scale[start:stop, None]
+    if weight.format == DENSE:
+        return rows.float()
+    return integer_rows(weight, start, stop).float() * weight.scale[start:stop, None]
 
 
 def quant_matmul_ref(x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
     n = weight.out_features
     step = weight.block if weight.format == FP8 else _REF_ROWS
-    if weight.format == INT8:
+    if weight.format in INTEGER_FORMATS:
         xq, xs = quantize_int8_ref(x)
         # fp32 holds the int32 sums exactly while K * 127**2 < 2**24, and rounds like fp32 beyond.
-        tiles = [xq.float() @ weight.data[n0 : n0 + step].float().T for n0 in range(0, n, step)]
-        y = torch.cat(tiles, dim=1)
+        rows = (integer_rows(weight, n0, min(n0 + step, n)) for n0 in range(0, n, step))
+        y = torch.cat([xq.float() @ tile.float().T for tile in rows], dim=1)
         return (y * xs[:, None] * weight.scale[None, :]).to(x.dtype)
     xf = x.float()
     tiles = [xf @ dequantize_rows(weight, n0, min(n0 + step, n)).T for n0 in range(0, n, step)]
@@ -315,6 +364,18 @@ def packed_matmul_tile(
             if PAIR:
                 w = _fp8_slice(w2_ptr, s2_ptr, n0, cols, col_ok, k0, K, SK, SCALE_BLOCK, BLOCK_N, BLOCK_K)
                 acc2 += tl.dot(a, tl.trans(w), input_precision="ieee")
+        elif FORMAT == 2:  # dense fp32 / bf16 weights
+            kk = k0 + tl.arange(0, BLOCK_K)
+            ka = tl.minimum(kk, K - 1) if A_GATHERED else kk
+            a = tl.load(a_rows + ka[None, :], mask=row_ok[:, None] & (kk < K)[None, :], other=0.0).to(
+                tl.float32
+            )
+            w_mask = col_ok[:, None] & (kk < K)[None, :]
+            w = tl.load(w_ptr + cols[:, None] * K + kk[None, :], mask=w_mask, other=0.0).to(tl.float32)
+            acc += tl.dot(a, tl.trans(w), input_precision="ieee")
+            if PAIR:
+                w = tl.load(w2_ptr + cols[:, None] * K + kk[None, :], mask=w_mask, other=0.0).to(tl.float32)
+                acc2 += tl.dot(a, tl.trans(w), input_precision="ieee")
         else:
             jj = k0 // 2 + tl.arange(0, BLOCK_K // 2)
             ja = tl.minimum(jj, K // 2 - 1) if A_GATHERED else jj
@@ -366,6 +427,51 @@ def _packed_matmul_kernel(
 
 
 @triton.jit
+def _int_slice(w_ptr, wrows, wrow_ok, kk, k_ok, K, shift, INT4: tl.constexpr):
+    """int8 codes ``[BLOCK_N, BLOCK_K]`` of weight rows ``wrows`` (byte rows for int4, whose nibble
+    ``shift`` selects: 28 the low one, 24 the high one), 0 past ``K`` or the rows."""
+    b = tl.load(w_ptr + wrows[:, None] * K + kk[None, :], mask=wrow_ok[:, None] & k_ok[None, :], other=0)
+    if INT4:
+        b = ((b.to(tl.int32) << shift) >> 28).to(tl.int8)  # arithmetic shift: a signed nibble
+    return b
+
+
+@triton.jit
+def int_matmul_tile(
+    a_rows,
+    row_ok,
+    w_ptr,
+    w2_ptr,
+    wrows,
+    wrow_ok,
+    K,
+    shift,
+    A_GATHERED: tl.constexpr,
+    PAIR: tl.constexpr,
+    INT4: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """``a_q [BLOCK_M, K] int8 @ W_q[wrows]^T`` in int32 (with ``PAIR`` also for a second weight of W's
+    shape, sharing the loads of ``a``); ``a_rows`` as in ``packed_matmul_tile``."""
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
+    acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = kk < K
+        ka = tl.minimum(kk, K - 1) if A_GATHERED else kk
+        a = tl.load(a_rows + ka[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0)
+        acc += tl.dot(
+            a, tl.trans(_int_slice(w_ptr, wrows, wrow_ok, kk, k_ok, K, shift, INT4)), out_dtype=tl.int32
+        )
+        if PAIR:
+            w = _int_slice(w2_ptr, wrows, wrow_ok, kk, k_ok, K, shift, INT4)
+            acc2 += tl.dot(a, tl.trans(w), out_dtype=tl.int32)
+    return acc, acc2
+
+
+@triton.jit
 def _int8_matmul_kernel(
     xq_ptr,
     xs_ptr,
@@ -384,17 +490,8 @@ def _int8_matmul_kernel(
         rows = m0 + tl.arange(0, BLOCK_M)
         cols = n0 + tl.arange(0, BLOCK_N)
         row_ok, col_ok = rows < M, cols < N
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + tl.arange(0, BLOCK_K)
-            k_ok = kk < K
-            a = tl.load(
-                xq_ptr + rows[:, None] * K + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0
-            )
-            b = tl.load(
-                w_ptr + cols[:, None] * K + kk[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0
-            )
-            acc += tl.dot(a, tl.trans(b), out_dtype=tl.int32)
+        acc, _ = int_matmul_tile(xq_ptr + rows[:, None] * K, row_ok, w_ptr, w_ptr, cols, col_ok, K, 0,
+                                 False, False, False, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
         xs = tl.load(xs_ptr + rows, mask=row_ok, other=0.0)
         y = acc.to(tl.float32) * xs[:, None] * tl.load(ws_ptr + cols, mask=col_ok, other=0.0)[None, :]
         mask = row_ok[:, None] & col_ok[None, :]
@@ -416,7 +513,7 @@ def quant_matmul_triton(x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
         xq, xs = quantize_int8_ref(x)
         _int8_tuned[grid](xq, xs, weight.data, weight.scale, out, m, n, k)
         return out
-    fmt, sk = _FORMAT_IDS[weight.format], weight.scale.shape[-1]
+    fmt, sk = FORMAT_IDS[weight.format], weight.scale.shape[-1]
     _packed_tuned[grid](
         x.contiguous(), weight.data, weight.scale, out, m, n, k, sk, FORMAT=fmt, SCALE_BLOCK=weight.block
     )

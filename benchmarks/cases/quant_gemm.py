@@ -3,8 +3,9 @@
 ``quant_matmul``: the query down-projection ``wq_a`` ``[q_lora_rank, hidden]`` as FP8 with the model's
 block (128 for V4, 32 for V4.1 when the config names none) and as W8A8, and one routed expert's ``w1``
 ``[moe_intermediate_size, hidden]`` as MXFP4. ``moe_gemm``: the phase's tokens over all routed experts
-(MXFP4), each choosing ``num_experts_per_tok`` distinct experts at random. Traffic: activations, the
-packed bytes and exponents of every weight read (for the MoE, of the experts chosen), outputs once;
+(MXFP4, W8A8 and W4A8), each choosing ``num_experts_per_tok`` distinct experts at random. Traffic:
+activations, the packed bytes and exponents of every weight read (for the MoE, of the experts chosen),
+outputs once;
 FLOPs ``2·T·N·K`` per GEMM (three per chosen expert).
 """
 
@@ -17,7 +18,7 @@ from benchmarks.workload import Phase
 from model.config import ModelConfig
 from triton_kernels import moe_gemm, quant_matmul
 from triton_kernels.quant import quantize_int8_ref
-from triton_kernels.quant_matmul import QuantWeight, fp8_weight, int8_weight, mxfp4_weight
+from triton_kernels.quant_matmul import QuantWeight
 
 
 def random_weight(
@@ -29,8 +30,9 @@ def random_weight(
     exponents: tuple[int, int] = (120, 134),
     device: torch.device | str = "cpu",
 ) -> QuantWeight:
-    """Random stored bytes of ``fmt`` (``fp8-128``, ``fp8-32``, ``mxfp4`` or ``int8``): every finite code,
-    subnormals included, with E8M0 exponents in ``exponents``; ``experts=(E,)`` stacks E of them."""
+    """Random stored bytes of ``fmt`` (``fp8-128``, ``fp8-32``, ``mxfp4``, ``int8``, ``int4`` or ``dense``):
+    every finite code, subnormals included, with E8M0 exponents in ``exponents``; ``experts=(E,)`` stacks E
+    of them."""
     gen = torch.Generator(device=device).manual_seed(seed)
 
     def ints(low: int, high: int, *shape: int) -> torch.Tensor:
@@ -40,11 +42,17 @@ def random_weight(
         block = int(fmt.split("-")[1])
         data = ints(0, 256, n, k)
         data[(data & 127) == 127] = 0x38  # NaN codes -> 1.0
-        return fp8_weight(data, ints(*exponents, -(-n // block), -(-k // block)), block)
+        return quant_matmul.fp8_weight(data, ints(*exponents, -(-n // block), -(-k // block)), block)
     if fmt == "mxfp4":
-        return mxfp4_weight(ints(0, 256, n, k // 2), ints(*exponents, n, -(-k // 32)))
-    q, scale = quantize_int8_ref(torch.randn(n, k, generator=gen, device=device))
-    return int8_weight(q, scale)
+        return quant_matmul.mxfp4_weight(ints(0, 256, n, k // 2), ints(*exponents, n, -(-k // 32)))
+    w = torch.randn((*experts, n, k), generator=gen, device=device) / k**0.5
+    if fmt == "dense":
+        return quant_matmul.dense_weight(w)
+    if fmt == "int4":  # every signed nibble, a per-channel scale of unit-variance weights
+        scale = torch.rand((*experts, n, 1), generator=gen, device=device) * 0.1 + 0.05
+        return quant_matmul.int4_weight(ints(0, 256, n // 2, k).view(torch.int8), scale / k**0.5)
+    q, scale = quantize_int8_ref(w)
+    return quant_matmul.int8_weight(q, scale)
 
 
 def _weight_bytes(w: QuantWeight) -> int:
@@ -85,20 +93,23 @@ def moe_gemm_cases(cfg: ModelConfig, phase: Phase, dev: torch.device, dtype: tor
     x = torch.randn(phase.total, d, generator=gen, device=dev).to(dtype)
     ids = torch.rand(phase.total, e, generator=gen, device=dev).argsort(dim=1)[:, :k].int()
     weights = torch.rand(phase.total, k, generator=gen, device=dev)
-    w1 = random_weight("mxfp4", inter, d, 1, (e,), (114, 120), dev)
-    w3 = random_weight("mxfp4", inter, d, 2, (e,), (114, 120), dev)
-    w2 = random_weight("mxfp4", d, inter, 3, (e,), (114, 120), dev)
-    experts = moe_gemm.RoutedExperts(w1, w3, w2, cfg.swiglu_limit)
     chosen = int(ids.unique().numel())
-    per_expert = sum(_weight_bytes(w) for w in (w1, w3, w2)) // e
-    return [
-        Case(
-            "moe_gemm",
-            f"routed experts mxfp4 ({e} experts, top {k})",
-            phase,
-            lambda: moe_gemm.moe_gemm_ref(x, ids, weights, experts),
-            lambda: moe_gemm.moe_gemm_triton(x, ids, weights, experts),
-            2 * elements_bytes(x) + elements_bytes(ids, weights) + chosen * per_expert,
-            6 * phase.total * k * inter * d,
+    cases = []
+    for fmt in ("mxfp4", "int8", "int4"):  # the release, msModelSlim W8A8 and V4-Pro's W4A8 experts
+        w1, w3, w2 = (random_weight(fmt, n, m, seed, (e,), (114, 120), dev) for n, m, seed in
+                      ((inter, d, 1), (inter, d, 2), (d, inter, 3)))  # fmt: skip
+        experts = moe_gemm.RoutedExperts(w1, w3, w2, cfg.swiglu_limit)
+        per_expert = sum(_weight_bytes(w) for w in (w1, w3, w2)) // e
+        cases.append(
+            Case(
+                "moe_gemm",
+                f"routed experts {fmt} ({e} experts, top {k})",
+                phase,
+                lambda experts=experts: moe_gemm.moe_gemm_ref(x, ids, weights, experts),
+                lambda experts=experts: moe_gemm.moe_gemm_triton(x, ids, weights, experts),
+                2 * elements_bytes(x) + elements_bytes(ids, weights) + chosen * per_expert,
+                6 * phase.total * k * inter * d,
+                int8=fmt in quant_matmul.INTEGER_FORMATS,
+            )
         )
-    ]
+    return cases

@@ -6,8 +6,9 @@ What is counted: every aten operator dispatched inside ``batch_forward`` during 
 path (the torch references, the production path on CPU), except views (no launch on a device). The
 requests' prompt lengths differ but are all 1 mod 4 and below 127, so that the decode token closes no
 ratio-4 or ratio-128 window of any of them, and a ratio-2 or ratio-1 window of all of them: which
-windows close is the same in every batch. The float MoE is left out: it still picks its experts on the
-host and loops over them, as many launches as distinct experts are hit (``moe_gemm`` will not).
+windows close is the same in every batch. The routed experts are left out: ``moe_gemm``'s CPU reference
+walks the experts that got tokens, as many GEMMs as distinct experts are hit (its kernels launch a fixed
+number, two, on a device).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ LENGTHS = (5, 29, 13, 21, 9, 33, 17, 25)
 
 
 class Launches(TorchDispatchMode):
-    """Every non-view aten operator dispatched while ``active``, by name, outside the float MoE."""
+    """Every non-view aten operator dispatched while ``active``, by name, outside the MoE."""
 
     def __init__(self) -> None:
         super().__init__()

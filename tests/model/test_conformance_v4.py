@@ -109,11 +109,12 @@ def test_greedy_incremental_equals_cache_free(tiny):
 def test_swiglu_clamp_is_hit(tiny):
     _, model, _ = tiny
     hits = []
-    hooks = [
-        m.w1.register_forward_hook(lambda mod, a, out: hits.append(bool((out > 10.0).any())))
-        for layer in model.layers
-        for m in layer.ffn.experts
-    ]
+
+    def routed_gate(mod, args, out):  # the w1 projection of each token's chosen experts, before the clamp
+        x, picked = args[0].float(), args[1]
+        hits.append(bool((torch.einsum("tjid,td->tji", mod.w1[picked].float(), x) > 10.0).any()))
+
+    hooks = [layer.ffn.experts.register_forward_hook(routed_gate) for layer in model.layers]
     with torch.no_grad():
         model(prompt(64, model.cfg.vocab_size))
     for h in hooks:

@@ -45,6 +45,25 @@ def test_the_config_keeps_the_release_widths():
                 "weight_offset": (torch.float32, (200, 1)),
             },
         ),  # fmt: skip
+        (
+            "msmodelslim-w4a8",
+            "layers.0.ffn.experts.3.w2.weight",
+            {
+                "": (torch.int8, (100, 300)),  # two int4 outputs per byte row
+                "weight_scale": (torch.float32, (200, 1)),
+                "weight_offset": (torch.float32, (200, 1)),
+                "scale_bias": (torch.float32, (200, 16)),
+            },
+        ),  # fmt: skip
+        (
+            "msmodelslim-w4a8",
+            "layers.0.attn.wq_a.weight",
+            {
+                "": (torch.int8, (200, 300)),
+                "weight_scale": (torch.float32, (200, 1)),
+                "weight_offset": (torch.float32, (200, 1)),
+            },
+        ),  # fmt: skip
     ],
 )
 def test_each_tensor_class_is_stored_as_its_layout_does(layout, name, expected):

@@ -8,7 +8,7 @@ import torch
 
 from model.checkpoint import load_model, stored_tensors
 from model.quant import dequantize_fp4, dequantize_fp8, quantize_fp4, quantize_fp8
-from model.quant_linear import DenseLinear, Fp8Linear, Int8Linear, Mxfp4Linear, PackedExperts
+from model.quant_linear import DenseLinear, Fp8Linear, Int8Linear, Mxfp4Linear
 from model.tiny import write_tiny
 from triton_kernels.quant import dequantize_int8, quantize_int8_ref
 
@@ -61,7 +61,7 @@ def fp8_dir(tmp_path_factory):
 def test_packed_checkpoint_keeps_its_stored_bytes(fp8_dir):
     model = load_model(fp8_dir)
     assert isinstance(model.layers[0].attn.wq_a, Fp8Linear)
-    assert isinstance(model.layers[0].ffn.experts, PackedExperts)
+    assert model.layers[0].ffn.experts.format == "mxfp4"
     assert isinstance(model.layers[0].ffn.shared_experts.w2, Fp8Linear)
     stored = stored_tensors(fp8_dir)
     assert _resident_bytes(model) == sum(t.nbytes for t in stored.values())

@@ -7,10 +7,12 @@ from model.quant import dequantize_fp4, dequantize_fp8
 from tests.triton_kernels.packed import assert_close, random_weight
 from triton_kernels import moe_gemm, runtime
 from triton_kernels.moe_gemm import RoutedExperts, moe_gemm_ref, moe_gemm_triton, sort_by_expert
-from triton_kernels.quant_matmul import QuantWeight
+from triton_kernels.quant import dequantize_int8, quantize_int8_ref
+from triton_kernels.quant_matmul import QuantWeight, dense_weight
 
 E, D, INTER, K_CHOICES = 5, 64, 48, 2
-FORMATS = ("mxfp4", "fp8-128", "fp8-32")
+FORMATS = ("mxfp4", "fp8-128", "fp8-32", "dense", "int8", "int4")
+INTEGER = ("int8", "int4")
 
 
 def _experts(fmt: str, limit: float | None = 0.5, d: int = D, inter: int = INTER) -> RoutedExperts:
@@ -35,7 +37,21 @@ def _x(t: int, d: int = D, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return torch.randn(t, d, generator=torch.Generator().manual_seed(7)).to(dtype)
 
 
+def _in_bf16(experts: RoutedExperts) -> RoutedExperts:
+    """Dense stacks in bf16, as a bf16 model holds them."""
+    w1, w3, w2 = (dense_weight(w.data.bfloat16()) for w in (experts.w1, experts.w3, experts.w2))
+    return RoutedExperts(w1, w3, w2, experts.swiglu_limit)
+
+
 def _dequantised(w: QuantWeight, e: int) -> torch.Tensor:
+    if w.format == "dense":
+        return w.data[e].float()
+    if w.format == "int8":
+        return w.data[e].float() * w.scale[e][:, None]
+    if w.format == "int4":  # byte [j, k]: output 2j in the low nibble, 2j + 1 in the high one, signed
+        b = w.data[e].to(torch.int32)
+        codes = torch.stack([(b << 28) >> 28, (b << 24) >> 28], dim=1).reshape(-1, b.shape[1])
+        return codes.float() * w.scale[e][:, None]
     data, scale = w.data[e], w.scale[e].view(torch.float8_e8m0fnu)
     if w.format == "mxfp4":
         return dequantize_fp4(data, scale, torch.float32)
@@ -45,18 +61,25 @@ def _dequantised(w: QuantWeight, e: int) -> torch.Tensor:
 def _dense_moe(
     x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: RoutedExperts
 ) -> torch.Tensor:
-    """Model-spec §7 token by token, over weights dequantised whole by the loader's functions."""
+    """Model-spec §7 token by token, over weights dequantised whole by the loader's functions; the integer
+    formats see their activations rounded per token (the input, then the SwiGLU output)."""
     w1, w3, w2, limit = experts.w1, experts.w3, experts.w2, experts.swiglu_limit
+
+    def rounded(v: torch.Tensor, fmt: str) -> torch.Tensor:
+        return dequantize_int8(*quantize_int8_ref(v)) if fmt in INTEGER else v
+
     out = torch.zeros(x.shape, dtype=torch.float32)
     for t in range(x.shape[0]):
+        xt = rounded(x[t].float(), w1.format)
         for j in range(ids.shape[1]):
             e = int(ids[t, j])
             if not 0 <= e < E:
                 continue
-            gate, up = _dequantised(w1, e) @ x[t].float(), _dequantised(w3, e) @ x[t].float()
+            gate, up = _dequantised(w1, e) @ xt, _dequantised(w3, e) @ xt
             if limit is not None:
                 gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
-            out[t] += weights[t, j] * (_dequantised(w2, e) @ (torch.nn.functional.silu(gate) * up))
+            h = rounded(torch.nn.functional.silu(gate) * up, w2.format)
+            out[t] += weights[t, j] * (_dequantised(w2, e) @ h)
     return out
 
 
@@ -88,15 +111,19 @@ def test_reference_equals_dequantise_then_dense(fmt: str, limit: float | None) -
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_kernel_matches_reference(fmt: str, t: int, dtype: torch.dtype) -> None:
     experts, (ids, weights), x = _experts(fmt), _routing(t, seed=t), _x(t, dtype=dtype)
+    if fmt == "dense" and dtype == torch.bfloat16:
+        experts = _in_bf16(experts)
     out = moe_gemm_triton(x, ids, weights, experts)
     assert out.shape == (t, D) and out.dtype == dtype
     assert_close(out, moe_gemm_ref(x, ids, weights, experts))
 
 
-def test_kernel_ragged_against_every_tile_without_clamp() -> None:
-    # D = 160 and I = 40: partial 128-wide K slices and scale blocks, partial 32-wide column tiles.
+@pytest.mark.parametrize("fmt", ["fp8-32", "dense", "int8", "int4"])
+def test_kernel_ragged_against_every_tile_without_clamp(fmt: str) -> None:
+    # D = 160 and I = 40: partial 128-wide K slices and scale blocks, partial 32-wide column tiles (and
+    # for int4 partial tiles of 16 or 20 byte rows).
     experts, (ids, weights), x = (
-        _experts("fp8-32", None, d=160, inter=40),
+        _experts(fmt, None, d=160, inter=40),
         _routing(17, seed=3),
         _x(17, d=160),
     )
@@ -130,7 +157,8 @@ def _stack(fmt: str, n: int, k: int, experts: int = E) -> QuantWeight:
 @pytest.mark.parametrize(
     ("weights", "match"),
     [
-        ({"w1": random_weight("int8", INTER, D)}, "w1: format 'int8' not supported"),
+        ({"w1": random_weight("int8", INTER, D)}, r"w1: 0 experts, expected a stack of w1's 0 \(>= 1\)"),
+        ({"w3": _stack("int4", INTER, D)}, "w3: int4 .* must match w1: mxfp4"),
         ({"w3": _stack("fp8-32", INTER, D)}, "w3: fp8 .* must match w1: mxfp4"),
         ({"w2": _stack("mxfp4", D, INTER, E - 1)}, "w2: 4 experts, expected a stack of w1's 5"),
         ({"w2": _stack("mxfp4", INTER, D)}, r"w2: \[48, 64\] each, expected \[64, 48\]"),

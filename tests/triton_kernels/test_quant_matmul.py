@@ -78,6 +78,16 @@ def test_kernel_decodes_every_e2m1_code_and_e8m0_exponent() -> None:
     assert y[255].isnan()
 
 
+def test_int4_codes_are_signed_nibbles_along_the_output() -> None:
+    # Byte 0x97 holds output 0 in its low nibble (7) and output 1 in its high one (0x9: -7).
+    data = torch.tensor([[0x97 - 256, 0x0F]], dtype=torch.int8)  # input 1: 0x0F -> -1 (low), 0 (high)
+    weight = quant_matmul.int4_weight(data, torch.tensor([0.5, 0.25]))
+    assert weight.out_features == 2
+    assert quant_matmul.integer_rows(weight, 0, 2).tolist() == [[7, -1], [-7, 0]]
+    x = torch.tensor([[1.0, 0.0]])  # quantises exactly: 127 * (1 / 127)
+    torch.testing.assert_close(quant_matmul_ref(x, weight), torch.tensor([[3.5, -1.75]]))
+
+
 def _dense(x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
     """Dequantise the whole weight with the loader's functions, then one dense GEMM."""
     if weight.format == "fp8":
@@ -186,6 +196,11 @@ def test_empty_input_does_not_launch(monkeypatch: pytest.MonkeyPatch) -> None:
             lambda: int8_weight(torch.zeros(4, 8, dtype=torch.int8), torch.zeros(5)),
             r"int8 scale: .* \[4\] or \[4, 1\]",
         ),
+        (
+            lambda: quant_matmul.int4_weight(torch.zeros(4, 8, dtype=torch.int8), torch.zeros(4)),
+            r"int4 scale: .* \[8\] or \[8, 1\]",  # two outputs per byte row
+        ),
+        (lambda: quant_matmul.dense_weight(torch.zeros(4, 8, dtype=torch.int8)), "dense data: torch.int8"),
     ],
 )
 def test_weight_validation(build, match: str) -> None:  # noqa: ANN001
@@ -203,6 +218,7 @@ def test_weight_validation(build, match: str) -> None:  # noqa: ANN001
             mxfp4_weight(torch.zeros(2, 8, 16, dtype=_U8), torch.zeros(2, 8, 1, dtype=_U8)),
             "stack of experts",
         ),
+        (torch.zeros(2, 32), random_weight("int4", 8, 32), "format 'int4' is for routed experts"),
     ],
 )
 def test_call_validation(x: torch.Tensor, weight: QuantWeight, match: str) -> None:
