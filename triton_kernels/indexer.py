@@ -48,7 +48,7 @@ import triton
 import triton.language as tl
 
 from triton_kernels import runtime, topk, tuning
-from triton_kernels.safe_access import gather_rows
+from triton_kernels.safe_access import gather_rows, take_rows
 from triton_kernels.spec import TuneConfig, Variant
 from triton_kernels.topk import candidate_blocks_ref, check_candidate_geometry, check_k, check_tensor
 
@@ -226,7 +226,9 @@ def indexer_logits_ref(queries: IndexQueries, pool: KeyPool) -> torch.Tensor:
     slots = pool.block_table[:, j // bs].long().clamp(min=0) * bs + j % bs  # [R, capacity]
 
     def keys(at: torch.Tensor) -> torch.Tensor:
-        return _dequantised(pool.keys[at], None if pool.scale is None else pool.scale[at])
+        return _dequantised(
+            take_rows(pool.keys, at), None if pool.scale is None else take_rows(pool.scale, at)
+        )
 
     # The tokens of one request (a prefill) share its keys; otherwise each token gathers its request's.
     shared = keys(slots[0]).T if slots.shape[0] == 1 and t > 1 else None
