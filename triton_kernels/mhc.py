@@ -163,24 +163,16 @@ def _sinkhorn_(comb: torch.Tensor, hc_eps: float, iters: int) -> None:
     many tiny ops: on the CPU, numpy's calls cost a fraction of torch's dispatch, and no call allocates.
     """
     n, _, t = comb.shape
-    on_cpu = comb.device.type == "cpu"
-    buffers = (comb.new_empty(1, n, t), comb.new_empty(n, 1, t))  # sums over axis 0 (columns), 1 (rows)
-    a, sums = (comb.detach().numpy(), [b.numpy() for b in buffers]) if on_cpu else (comb, buffers)
-
-    def normalise(axis: int) -> None:
-        total = sums[axis]
-        if on_cpu:
-            np.add.reduce(a, axis=axis, keepdims=True, out=total)
-            total += hc_eps
-            np.divide(a, total, out=a)
-        else:
-            torch.sum(a, axis, keepdim=True, out=total).add_(hc_eps)
-            a.div_(total)
-
-    normalise(0)
-    for _ in range(iters - 1):
-        normalise(1)
-        normalise(0)
+    cols, rows = comb.new_empty(1, n, t), comb.new_empty(n, 1, t)  # sums over axis 0, over axis 1
+    if comb.device.type != "cpu":
+        for axis, total in [(0, cols)] + [(1, rows), (0, cols)] * (iters - 1):
+            comb.div_(torch.sum(comb, axis, keepdim=True, out=total).add_(hc_eps))
+        return
+    a, cols_np, rows_np = comb.detach().numpy(), cols.numpy(), rows.numpy()
+    for axis, total in [(0, cols_np)] + [(1, rows_np), (0, cols_np)] * (iters - 1):
+        np.add.reduce(a, axis=axis, keepdims=True, out=total)
+        total += hc_eps
+        np.divide(a, total, out=a)
 
 
 def hc_head_coeffs_ref(
