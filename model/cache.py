@@ -291,13 +291,14 @@ class Batch:
             pool[self.slots(group_name(ratio), request, numbers)] = rows.to(pool.dtype)
 
     def key_pool(self, layer: int, ratio: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Index keys of compressing ``layer`` as the indexer ops read them: pool, block table, block size."""
+        """Index keys of compressing ``layer`` as the indexer ops read them: pool, block table, block size.
+
+        The table stops at the last block holding an entry visible in this call: the ops score every
+        column of it, and the tables are padded to the longest group's (the window's) width."""
         name = group_name(ratio)
-        return (
-            self.pools.index_keys[layer],
-            self.tables[name].to(torch.int32),
-            self.pools.slots_per_block[name],
-        )
+        per_block = self.pools.slots_per_block[name]
+        blocks = -(-self.max_entries(ratio) // per_block)
+        return self.pools.index_keys[layer], self.tables[name][:, :blocks].to(torch.int32), per_block
 
 
 def _check_tables(tables: dict[str, torch.Tensor], num_blocks: int) -> None:

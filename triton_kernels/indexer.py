@@ -48,7 +48,7 @@ import triton
 import triton.language as tl
 
 from triton_kernels import runtime, topk, tuning
-from triton_kernels.safe_access import gather_rows
+from triton_kernels.safe_access import gather_rows, take_rows
 from triton_kernels.spec import TuneConfig, Variant
 from triton_kernels.topk import candidate_blocks_ref, check_candidate_geometry, check_k, check_tensor
 
@@ -218,26 +218,43 @@ def _dequantised(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
     return x.float() if scale is None else x.float() * scale[..., None]
 
 
+def _keys_at(pool: KeyPool, slots: torch.Tensor) -> torch.Tensor:
+    """The (dequantised) keys at ``slots``: ``[*slots.shape, D]``."""
+    return _dequantised(
+        take_rows(pool.keys, slots), None if pool.scale is None else take_rows(pool.scale, slots)
+    )
+
+
+def _slots(pool: KeyPool, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Slots of entry ``positions`` in block-table ``rows`` (broadcast together); slot 0 where unused."""
+    bs = pool.block_size
+    return pool.block_table[rows, positions // bs].long().clamp(min=0) * bs + positions % bs
+
+
+def _chunk(width: int, q: torch.Tensor) -> int:
+    """Tokens at a time, so that the ``[tokens, heads, width]`` products stay small."""
+    return max(1, _REF_CHUNK // max(1, width * max(q.shape[1:])))
+
+
+def _scores(q: torch.Tensor, weights: torch.Tensor, keys_t: torch.Tensor) -> torch.Tensor:
+    """``sum_h w_h * relu(q_h . k)``, ``q [t, H, D]`` and ``keys_t [D, N]`` or ``[t, D, N]``: ``[t, N]``."""
+    return (q @ keys_t).relu_().mul_(weights[:, :, None]).sum(dim=1)
+
+
 def indexer_logits_ref(queries: IndexQueries, pool: KeyPool) -> torch.Tensor:
     q = _dequantised(queries.q, queries.scale)
-    bs, device = pool.block_size, q.device
-    t, heads, dim = q.shape
+    t, device = q.shape[0], q.device
     j = torch.arange(pool.capacity, device=device)
-    slots = pool.block_table[:, j // bs].long().clamp(min=0) * bs + j % bs  # [R, capacity]
-
-    def keys(at: torch.Tensor) -> torch.Tensor:
-        return _dequantised(pool.keys[at], None if pool.scale is None else pool.scale[at])
-
+    slots = _slots(pool, torch.arange(pool.block_table.shape[0], device=device)[:, None], j)  # [R, capacity]
     # The tokens of one request (a prefill) share its keys; otherwise each token gathers its request's.
-    shared = keys(slots[0]).T if slots.shape[0] == 1 and t > 1 else None
+    shared = _keys_at(pool, slots[0]).T if slots.shape[0] == 1 and t > 1 else None
     token_slots = slots[queries.request.long()] if shared is None else None
     logits = torch.empty(t, pool.capacity, device=device)
-    # Tokens a chunk at a time, so that the [tokens, heads, keys] products stay small.
-    step = max(1, _REF_CHUNK // max(1, pool.capacity * max(heads, dim)))
+    step = _chunk(pool.capacity, q)
     for lo in range(0, t, step):
         rows = slice(lo, lo + step)
-        dots = q[rows] @ (shared if shared is not None else keys(token_slots[rows]).transpose(1, 2))
-        logits[rows] = dots.relu_().mul_(queries.weights[rows, :, None]).sum(dim=1)
+        keys_t = shared if shared is not None else _keys_at(pool, token_slots[rows]).transpose(1, 2)
+        logits[rows] = _scores(q[rows], queries.weights[rows], keys_t)
     return logits.masked_fill_(j >= queries.visible[:, None], float("-inf"))
 
 
@@ -256,13 +273,24 @@ def indexer_topk_and_candidates_ref(
 def indexer_topk_in_candidates_ref(
     queries: IndexQueries, pool: KeyPool, k: int, candidates: torch.Tensor, block_size: int
 ) -> torch.Tensor:
-    logits = indexer_logits_ref(queries, pool)
-    # Column 0 stands for the -1 padding, column b + 1 for block b.
-    blocks = triton.cdiv(pool.capacity, block_size)
-    chosen = torch.zeros((logits.shape[0], blocks + 1), dtype=torch.bool, device=logits.device)
-    chosen.scatter_(1, candidates.long() + 1, True)
-    inside = chosen[:, 1:].repeat_interleave(block_size, dim=1)[:, : pool.capacity]
-    return topk.topk_positions_ref(logits.masked_fill(~inside, float("-inf")), k)
+    # Only the candidates' positions are scored, [T, C * block_size]: ascending, the padding's last, so the
+    # lower of two tied positions is still the earlier column.
+    offsets = torch.arange(block_size, device=candidates.device)
+    positions = (candidates.long()[:, :, None] * block_size + offsets).flatten(1)
+    inside = (candidates >= 0).repeat_interleave(block_size, dim=1) & (positions < queries.visible[:, None])
+    scores = torch.full(positions.shape, float("-inf"), device=positions.device)
+    if pool.capacity and positions.numel():
+        q = _dequantised(queries.q, queries.scale)
+        slots = _slots(pool, queries.request.long()[:, None], torch.where(inside, positions, 0))
+        step = _chunk(positions.shape[1], q)
+        for lo in range(0, q.shape[0], step):
+            rows = slice(lo, lo + step)
+            keys_t = _keys_at(pool, slots[rows]).transpose(1, 2)
+            scores[rows] = _scores(q[rows], queries.weights[rows], keys_t)
+        scores.masked_fill_(~inside, float("-inf"))
+    picked = topk.topk_positions_ref(scores, k)
+    taken = positions.gather(1, picked.clamp(min=0).long()) if positions.numel() else picked.long()
+    return torch.where(picked >= 0, taken, -1).to(torch.int32)
 
 
 @triton.jit

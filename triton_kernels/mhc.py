@@ -32,6 +32,7 @@ Kernels
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -149,13 +150,29 @@ def hc_coeffs_ref(
     pre = torch.sigmoid(mu[:, :n] * scale[0] + base[:n]) + hc_eps
     post = 2 * torch.sigmoid(mu[:, n : 2 * n] * scale[1] + base[n : 2 * n])
     logits = (mu[:, 2 * n :] * scale[2] + base[2 * n :]).view(-1, n, n)
-    comb = torch.softmax(logits, dim=-1).add_(hc_eps)
-    comb.div_(comb.sum(-2, keepdim=True).add_(hc_eps))
-    # In place: the iterations are many tiny ops, each allocation costs as much as the arithmetic.
-    for _ in range(sinkhorn_iters - 1):
-        comb.div_(comb.sum(-1, keepdim=True).add_(hc_eps))
-        comb.div_(comb.sum(-2, keepdim=True).add_(hc_eps))
-    return pre, post, comb
+    comb = torch.softmax(logits, dim=-1).add_(hc_eps).permute(1, 2, 0).contiguous()
+    _sinkhorn_(comb, hc_eps, sinkhorn_iters)
+    return pre, post, comb.permute(2, 0, 1).contiguous()
+
+
+def _sinkhorn_(comb: torch.Tensor, hc_eps: float, iters: int) -> None:
+    """The column normalisation and ``iters - 1`` (row, column) ones of ``comb [n, n, T]``, in place.
+
+    Tokens last: both sums run over an outer axis, adding whole rows of tokens one after another (the order
+    of a sum over 4 contiguous values too, so the result is the same bit for bit). The iterations are
+    many tiny ops: on the CPU, numpy's calls cost a fraction of torch's dispatch, and no call allocates.
+    """
+    n, _, t = comb.shape
+    cols, rows = comb.new_empty(1, n, t), comb.new_empty(n, 1, t)  # sums over axis 0, over axis 1
+    if comb.device.type != "cpu":
+        for axis, total in [(0, cols)] + [(1, rows), (0, cols)] * (iters - 1):
+            comb.div_(torch.sum(comb, axis, keepdim=True, out=total).add_(hc_eps))
+        return
+    a, cols_np, rows_np = comb.detach().numpy(), cols.numpy(), rows.numpy()
+    for axis, total in [(0, cols_np)] + [(1, rows_np), (0, cols_np)] * (iters - 1):
+        np.add.reduce(a, axis=axis, keepdims=True, out=total)
+        total += hc_eps
+        np.divide(a, total, out=a)
 
 
 def hc_head_coeffs_ref(

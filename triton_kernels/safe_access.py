@@ -9,8 +9,15 @@ docs/ascend-gate.md, which also says how the gate and the interpreter tests chec
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
+
+
+def take_rows(table: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+    """``table[at]`` for row ids ``at`` of any shape, as the references gather: one ``index_select``,
+    which on the CPU takes a fraction of the time of advanced indexing."""
+    return table.index_select(0, at.flatten()).view(*at.shape, *table.shape[1:])
 
 
 @triton.jit

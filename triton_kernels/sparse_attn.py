@@ -41,7 +41,7 @@ import triton.language as tl
 from triton_kernels import runtime, tuning
 from triton_kernels.quant import dequantize_int8
 from triton_kernels.rope import apply_rope_ref, rotate_rope_channels_triton
-from triton_kernels.safe_access import gather_rows
+from triton_kernels.safe_access import gather_rows, take_rows
 from triton_kernels.spec import TuneConfig, Variant
 
 MAX_HEADS = 128
@@ -170,8 +170,9 @@ def sparse_attention_ref(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     scores, values = [], []
     for pool in pools:
-        kv = pool.kv.float() if pool.scale is None else dequantize_int8(pool.kv, pool.scale)
-        gathered = kv[pool.indices.clamp(min=0).long()]  # [T, K, D]
+        slots = pool.indices.clamp(min=0).long()
+        kv = take_rows(pool.kv, slots)  # [T, K, D]: only the rows read, before any dequantisation
+        gathered = kv.float() if pool.scale is None else dequantize_int8(kv, take_rows(pool.scale, slots))
         s = torch.einsum("thd,tkd->thk", q.float(), gathered) * scale
         scores.append(s.masked_fill((pool.indices < 0)[:, None, :], float("-inf")))
         values.append(gathered)
