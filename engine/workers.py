@@ -13,7 +13,7 @@ import hashlib
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -153,9 +153,13 @@ class RankReport:
     checksums: dict[str, str]  # ``cache_checksums``: equal on every rank after any run
 
 
+def resident_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """The bytes the tensors' storages hold, each storage once (a stacked expert's views share one)."""
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
 def report(runner: ModelRunner) -> RankReport:
-    weights = sum(t.untyped_storage().nbytes() for t in runner.model.official_state().values())
-    pools = runner.pools
+    pools, weights = runner.pools, resident_bytes(runner.model.official_state().values())
     return RankReport(weights, pools.buffer.untyped_storage().nbytes(), cache_checksums(pools))
 
 

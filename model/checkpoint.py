@@ -32,7 +32,7 @@ from model.deepseek_v4 import DeepseekV4
 from model.deepseek_v41 import DeepseekV41
 from model.engram import Engram, compressed_token_map
 from model.moe import MoE
-from model.parallel import ParallelContext, ShardPlan, connect, shard_model
+from model.parallel import ExpertParallelMoE, ParallelContext, ShardPlan, connect, shard_model
 from model.quant import dequantize_fp4, dequantize_fp8
 from model.quant_linear import BIAS_COLUMNS, DenseLinear, Fp8Linear, Int8Linear, Mxfp4Linear, StackedExperts
 from model.shards import StoredTensor, read_headers
@@ -331,13 +331,13 @@ def pack_linears(
     shard: ShardPlan | None = None,
 ) -> None:
     """Swap, on ``meta``, each linear the checkpoint stores quantised for the packed layer that keeps it
-    so (``auto``) or for int8 W8A8 (``w8a8``), and stack each MoE layer's routed experts in that format (one
-    by one under a ``shard``, whose split FP8 weights read their slices of the block scales too); FP8
+    so (``auto``) or for int8 W8A8 (``w8a8``), and stack each MoE layer's routed experts in that format (a
+    ``shard``'s own experts only; its split FP8 weights read their slices of the block scales too); FP8
     Engram tables stay FP8 (only the rows a step reads are decoded)."""
     if quantization == "dense":
         return
     for prefix, module in list(model.named_modules()):
-        if isinstance(module, MoE):
+        if isinstance(module, (MoE, ExpertParallelMoE)):
             fmt, columns = expert_format(f"{prefix}.experts", stored, block)
             if fmt != DENSE:
                 module.pack_experts(INT8 if quantization == "w8a8" else fmt, block or 1, columns)

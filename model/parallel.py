@@ -22,7 +22,7 @@ from torch import nn
 from model.attention import SharedKVAttention
 from model.config import ModelConfig
 from model.moe import Expert, Gate, MoE
-from model.quant_linear import DenseLinear
+from model.quant_linear import BIAS_COLUMNS, DenseLinear, StackedExperts
 from model.shards import StoredTensor
 
 
@@ -130,6 +130,30 @@ class VocabParallelEmbedding(nn.Embedding):
         return self.context.all_reduce(out.float()).to(out.dtype)  # fp32 on the wire: any backend sums it
 
 
+class LocalExperts(StackedExperts):
+    """The routed experts ``[first, first + count)`` of a layer, stacked in their stored format and named
+    as the checkpoint names them; choices of other experts are shifted outside ``[0, count)``, so
+    ``moe_gemm`` sorts them after the last expert and never computes them."""
+
+    def __init__(self, first: int, count: int, shape: tuple, *args: object):
+        _, hidden, inter, limit = shape
+        super().__init__(count, hidden, inter, limit, *args)
+        self.first, self.shape = first, shape
+
+    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        local: dict[str, torch.Tensor] = {}
+        super()._save_to_state_dict(local, "", keep_vars)
+        for name, t in local.items():
+            e, _, rest = name.partition(".")
+            destination[f"{prefix}{int(e) + self.first}.{rest}"] = t
+
+    def forward(self, x: torch.Tensor, picked: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return super().forward(x, picked - self.first, weights)
+
+    def pack(self, fmt: str, block: int = 1, bias_columns: tuple[int, ...] = BIAS_COLUMNS) -> LocalExperts:
+        return LocalExperts(self.first, self.w1.shape[0], self.shape, fmt, block, bias_columns)
+
+
 class ExpertParallelMoE(nn.Module):
     """A MoE block's share on one rank: the replicated gate, the routed experts ``[start, stop)`` (a token
     is computed here only for the experts of this rank it is routed to) and a slice of the shared
@@ -140,18 +164,17 @@ class ExpertParallelMoE(nn.Module):
     ):
         """``shape``: the block's ``MoE.shape``, (experts, hidden, intermediate, clamp limit)."""
         super().__init__()
-        _, hidden, inter, limit = shape
-        self.gate, self.context, self.owned = gate, context, experts
-        self.experts = nn.ModuleDict({str(e): Expert(hidden, inter, limit) for e in experts})
+        self.gate, self.context = gate, context
+        self.experts = LocalExperts(experts.start, len(experts), shape)
         self.shared_experts = shared
+
+    def pack_experts(self, fmt: str, block: int = 1, bias_columns: tuple[int, ...] = BIAS_COLUMNS) -> None:
+        """Hold this rank's routed experts in the stored format ``fmt`` (the loader calls it on ``meta``)."""
+        self.experts = self.experts.pack(fmt, block, bias_columns)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         picked, weights = self.gate(x, ids)
-        out = torch.zeros_like(x, dtype=torch.float32)
-        mine = (picked >= self.owned.start) & (picked < self.owned.stop)
-        for e in picked[mine].unique().tolist():
-            token, slot = torch.where(picked == e)
-            out.index_add_(0, token, self.experts[str(e)](x[token]).float() * weights[token, slot, None])
+        out = self.experts(x, picked, weights)
         if self.shared_experts is not None:
             out += self.shared_experts(x).float()
         return self.context.all_reduce(out).to(x.dtype)
