@@ -31,7 +31,8 @@ from model.cache import KVPools, cache_groups
 from model.causal_lm import CausalLM
 from model.checkpoint import load_model
 from model.config import ModelConfig
-from model.parallel import ParallelContext, check_divisible
+from model.parallel import DispatchMoE, ParallelContext, check_divisible
+from model.tokenizer import load_tokenizer
 
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 STEP, REPORT, STOP = "step", "report", "stop"
@@ -151,6 +152,7 @@ class RankReport:
     weight_bytes: int  # resident bytes of the model's checkpointed tensors
     cache_bytes: int
     checksums: dict[str, str]  # ``cache_checksums``: equal on every rank after any run
+    expert_pairs: int = 0  # (token, expert) choices this rank's experts computed (data parallel)
 
 
 def resident_bytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -159,8 +161,10 @@ def resident_bytes(tensors: Iterable[torch.Tensor]) -> int:
 
 
 def report(runner: ModelRunner) -> RankReport:
-    pools, weights = runner.pools, resident_bytes(runner.model.official_state().values())
-    return RankReport(weights, pools.buffer.untyped_storage().nbytes(), cache_checksums(pools))
+    pools, model = runner.pools, runner.model
+    weights, cache = resident_bytes(model.official_state().values()), pools.buffer.untyped_storage().nbytes()
+    pairs = sum(m.pairs_computed for m in model.modules() if isinstance(m, DispatchMoE))
+    return RankReport(weights, cache, cache_checksums(pools), pairs)
 
 
 def cache_checksums(pools: KVPools) -> dict[str, str]:
@@ -178,7 +182,8 @@ class Workers:
 
     def __init__(self, world: int, spec: WorkerSpec, meet: Rendezvous = Rendezvous()):
         """Spawn this machine's ranks after 0 (the others start with ``serve_node`` on their machines)."""
-        check_divisible(ModelConfig.from_file(spec.path), world)  # before any process starts
+        data_parallel = spec.config.data_parallel_size > 1
+        check_divisible(ModelConfig.from_file(spec.path), world, data_parallel)  # before any process starts
         self.world, self.spec, self.closed = world, spec, False
         self.failed: WorkerFailed | None = None
         self.on_failure: Callable[[WorkerFailed], None] | None = None
@@ -187,9 +192,10 @@ class Workers:
         self.processes = _spawn(self.ranks, world, meet, spec.device, spec.timeout_s)
         try:
             with self.guard():
-                self.context, self.control, self.store = init_group(
+                context, self.control, self.store = init_group(
                     0, world, meet, spec.device, spec.timeout_s, self.check
                 )
+                self.context = dataclasses.replace(context, data_parallel=data_parallel)
                 dist.broadcast_object_list([spec], src=0, group=self.control)  # what every rank loads
         except BaseException:
             self.close()
@@ -223,9 +229,10 @@ class Workers:
         """Every rank's ``RankReport``, in rank order (``leader``: rank 0's own)."""
         with self.guard():
             self.broadcast(StepPlan(REPORT))
-            return self._gather(leader)
+            return self.gather(leader)
 
-    def _gather(self, value: object) -> list:
+    def gather(self, value: object) -> list:
+        """Every rank's ``value``, in rank order (``value``: rank 0's)."""
         out = [None] * self.world
         dist.all_gather_object(out, value, group=self.control)
         return out
@@ -335,12 +342,12 @@ def load_ranks(
     quantization: str = "auto",
     meet: Rendezvous = Rendezvous(),
 ) -> tuple[CausalLM, Workers | None]:
-    """Rank 0's model and, with ``config.tensor_parallel_size`` > 1, the started workers holding the
+    """Rank 0's model and, over several tensor- or data-parallel ranks, the started workers holding the
     other shards (closed again if anything fails on the way)."""
-    if config.tensor_parallel_size == 1:
+    if config.world_size == 1:
         return load_model(path, dtype, device, quantization), None
     spec = WorkerSpec(str(path), dtype, device.type, config, quantization)
-    workers = Workers(config.tensor_parallel_size, spec, meet)
+    workers = Workers(config.world_size, spec, meet)
     try:
         model = load_model(path, dtype, device, quantization, parallel=workers.context)
         workers.ready()
@@ -383,17 +390,27 @@ def worker_main(rank: int, world: int, meet: Rendezvous, device: str, timeout_s:
     dist.broadcast_object_list(received, src=0, group=control)
     spec: WorkerSpec = received[0]
     torch.set_num_threads(spec.threads)
-    runner, error = None, None
+    config = spec.config
+    context = dataclasses.replace(context, data_parallel=config.data_parallel_size > 1)
+    runner, engine, error = None, None, None
     try:
         model = load_model(spec.path, spec.dtype, spec.device, spec.quantization, parallel=context)
-        config = spec.config
-        groups = cache_groups(model.cfg, model.embed.weight.element_size())
-        runner = ModelRunner(
-            model, KVCacheManager.from_budget(groups, config.block_size, config.kv_cache_memory)
-        )
+        if context.data_parallel:
+            # Imported here: the data-parallel engine is built on this module.
+            from engine.data_parallel import follow_front
+            from engine.llm_engine import LLMEngine
+
+            engine = LLMEngine(model, load_tokenizer(spec.path), config)
+        else:
+            groups = cache_groups(model.cfg, model.embed.weight.element_size())
+            runner = ModelRunner(
+                model, KVCacheManager.from_budget(groups, config.block_size, config.kv_cache_memory)
+            )
     except Exception as err:  # reported to rank 0, which raises it naming this rank
         error = f"{type(err).__name__}: {err}"
     store.set(f"loaded/{rank}", error or "")
+    if engine is not None:
+        follow_front(engine, control, rank, world)
     while runner is not None:
         received = [None]
         dist.broadcast_object_list(received, src=0, group=control)

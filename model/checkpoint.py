@@ -312,7 +312,7 @@ def plan_shard(
         int8 = next((n for n in weight_names(stored) if stored_format(n, stored) == INT8), None)
         if quantization == "w8a8" or int8:
             raise ValueError(
-                f"tensor_parallel_size={parallel.world} does not run W8A8 yet ({int8 or 'quantization=w8a8'})"
+                f"{parallel.size_name}={parallel.world} does not run W8A8 yet ({int8 or 'quantization=w8a8'})"
             )
         shard = shard_model(model, parallel)
     pack_linears(model, stored, cfg.fp8_block, quantization, shard)

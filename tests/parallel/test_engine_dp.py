@@ -1,0 +1,59 @@
+"""``LLM(data_parallel_size=2, enable_expert_parallel=True)`` on CPU (gloo) against one process: the same
+greedy tokens for requests spread over both ranks (chunked prefill, a rank idling while the other
+finishes), every (token, expert) choice computed exactly once over the ranks, and a dead rank named."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from engine.llm import LLM
+from engine.request import InvalidRequest, SamplingParams
+from engine.workers import WorkerFailed
+from model.parallel import DispatchMoE
+from model.tiny import cached_tiny
+
+# 40, 4 and 30 prompt tokens: chunks of 16; rank 0 gets the first and the last, rank 1 the short one.
+PROMPTS = [list(range(2, 42)), [0, 911, 37, 5], list(range(100, 130))]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+ENGINE = {"max_num_batched_tokens": 16, "max_model_len": 128, "block_size": 16}
+
+
+def _tokens(llm: LLM) -> list[list[int]]:
+    return [out.outputs[0].token_ids for out in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("arch", ["v4", "v41"])
+def test_dp2_with_expert_parallel_matches_one_process_and_computes_each_choice_once(arch: str):
+    path = cached_tiny(arch)
+    single = _tokens(LLM(model=path, enable_prefix_caching=False, **ENGINE))
+    llm = LLM(model=path, data_parallel_size=2, enable_expert_parallel=True, **ENGINE)
+    try:
+        vocab = llm.engine.model.cfg.vocab_size
+        with pytest.raises(InvalidRequest, match=f"token id {vocab} is outside the vocabulary"):
+            llm.engine.add_request([5, vocab], GREEDY)  # refused by the front, whichever rank it would go to
+        assert _tokens(llm) == single
+        reports = llm.engine.reports()
+        assert all(r.expert_pairs > 0 for r in reports), "both ranks' experts computed"
+        assert reports[0].checksums != reports[1].checksums, "each rank's cache holds its own requests"
+        # A request's forwarded tokens: its prompt and every output token but the last sampled one; each
+        # goes through every backbone MoE block (the draft layers do not run).
+        tokens = sum(len(p) + GREEDY.max_tokens - 1 for p in PROMPTS)
+        choices = sum(m.gate.top_k for m in llm.engine.model.layers.modules() if isinstance(m, DispatchMoE))
+        assert sum(r.expert_pairs for r in reports) == tokens * choices
+        worker = llm.workers.processes[0]
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join(timeout=10)
+        with pytest.raises(WorkerFailed, match="rank 1 exited with code -9"):
+            llm.generate(PROMPTS[1], GREEDY, use_tqdm=False)
+    finally:
+        llm.close()
+
+
+def test_data_parallel_needs_expert_parallel_and_no_tensor_parallel():
+    with pytest.raises(ValueError, match="data_parallel_size=2 runs with enable_expert_parallel=True"):
+        LLM(model=cached_tiny("v4"), data_parallel_size=2)
+    with pytest.raises(ValueError, match="tensor_parallel_size=1 for now .got True and 2"):
+        LLM(cached_tiny("v4"), data_parallel_size=2, enable_expert_parallel=True, tensor_parallel_size=2)
