@@ -28,6 +28,7 @@ from engine.workers import Rendezvous, load_ranks, serve_node
 from model.chat_profile import select_chat_profile
 from model.checkpoint import loader_quantization, placement
 from model.config import ModelConfig
+from model.parallel import ParallelContext
 from model.tiny import cached_tiny
 from model.tokenizer import load_tokenizer
 from triton_kernels import runtime
@@ -74,7 +75,10 @@ def start_engine(args: argparse.Namespace, path: Path) -> tuple[LLMEngine, Memor
     device, dtype = placement(args.device, args.dtype)
     quantization = loader_quantization(path, args.quantization)
     config = engine_config(args)
-    plan = plan_memory(path, dtype, quantization, **memory_budget(args, config))  # before any weight loads
+    # Before any weight loads; the weights are one rank's share (rank 0's: every rank's is as large).
+    world, data_parallel = config.world_size, config.data_parallel_size > 1
+    rank0 = ParallelContext(0, world, data_parallel=data_parallel) if world > 1 else None
+    plan = plan_memory(path, dtype, quantization, parallel=rank0, **memory_budget(args, config))
     log.info(plan.line())
     config = dataclasses.replace(config, kv_cache_memory=plan.kv_bytes)
     model, workers = load_ranks(path, dtype, device, config, quantization, rendezvous(args))
