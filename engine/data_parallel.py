@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
+from engine.detokenizer import IncrementalDetokenizer
 from engine.llm_engine import Completion, LLMEngine
-from engine.request import FinishReason, Request, SamplingParams, Status
+from engine.request import FinishReason, InvalidRequest, Request, SamplingParams, Status
 from engine.workers import REPORT, STEP, STOP, RankReport, Workers, report
 from model.parallel import idle_step
 
@@ -97,16 +98,44 @@ def _progress(request: Request, reported: dict[str, int]) -> Progress:
                     request.stop_text_at, request.error)  # fmt: skip
 
 
+class ShadowRequest(Request):
+    """The front's copy of a request another rank runs; a logits processor (structured output) cannot
+    travel to that rank yet, so setting one is refused rather than ignored."""
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name == "logits_processor" and value is not None:
+            raise InvalidRequest("logits processors (structured output) do not run under data parallel yet",
+                                 "response_format")  # fmt: skip
+        super().__setattr__(name, value)
+
+
 class DataParallelEngine:
     """Rank 0's front over ``local`` (rank 0's own engine) and the worker ranks: the part of
-    ``LLMEngine``'s interface ``LLM`` drives (``add_request``, ``abort``, ``has_work``, ``step``,
-    ``completion``)."""
+    ``LLMEngine``'s interface that ``LLM`` and the server drive. The server's gauges (scheduler, cache,
+    speculative statistics, step tokens) read rank 0's."""
 
     def __init__(self, local: LLMEngine, workers: Workers):
         self.local, self.workers = local, workers
         self.model, self.tokenizer, self.config = local.model, local.tokenizer, local.config
+        self.scheduler, self.cache, self.runner = local.scheduler, local.cache, local.runner
+        self.spec_stats, self.tuned_files = local.spec_stats, local.tuned_files
+        self.proposer = None  # no speculative decoding under data parallel yet
         self.shadows: dict[str, tuple[int, Request]] = {}  # requests other ranks run, with their rank
+        self.shadow_text: dict[str, IncrementalDetokenizer] = {}  # their streamed text, decoded here
         self.plan = DataParallelPlan(STEP)
+        self.turn = 0  # the rank that gets the next request among equally loaded ones
+
+    @property
+    def step_tokens(self) -> int:
+        return self.local.step_tokens
+
+    @property
+    def requests(self) -> dict[str, Request]:
+        return {**self.local.requests, **{i: shadow for i, (_, shadow) in self.shadows.items()}}
+
+    @property
+    def detokenizers(self) -> dict[str, IncrementalDetokenizer]:
+        return {**self.local.detokenizers, **self.shadow_text}
 
     @property
     def world(self) -> int:
@@ -120,17 +149,19 @@ class DataParallelEngine:
     def add_request(
         self, prompt: list[int], params: SamplingParams, request_id: str | None = None
     ) -> Request:
-        """Queue the request on the least loaded rank (the lowest of equals), validated here first."""
-        rank = min(range(self.world), key=lambda r: (self._load(r), r))
+        """Queue the request on the least loaded rank (equals taken in turn), validated here first."""
+        rank = min(range(self.world), key=lambda r: (self._load(r), (r - self.turn) % self.world))
+        self.turn = (rank + 1) % self.world
         if request_id is not None and (request_id in self.shadows or request_id in self.local.requests):
             raise ValueError(f"request id {request_id!r} is already in use")
         if rank == 0:
             return self.local.add_request(prompt, params, request_id)
         self.local.validate(prompt, params)  # every rank's engine has the same limits
-        shadow = Request(list(prompt), params)
+        shadow = ShadowRequest(list(prompt), params)
         if request_id is not None:
             shadow.id = request_id
         self.shadows[shadow.id] = (rank, shadow)
+        self.shadow_text[shadow.id] = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
         self.plan.admitted.setdefault(rank, []).append(Assigned(shadow.id, shadow.prompt, params))
         return shadow
 
@@ -159,6 +190,8 @@ class DataParallelEngine:
             if shadow is None or shadow.finished:  # aborted here before the step
                 continue
             shadow.output += progress.tokens
+            for token in progress.tokens:
+                self.shadow_text[shadow.id].add(token)
             shadow.logprobs += progress.logprobs
             shadow.stop_text_at, shadow.error = progress.stop_text_at, progress.error
             if progress.finish_reason is not None:
@@ -169,6 +202,7 @@ class DataParallelEngine:
     def completion(self, request: Request) -> Completion:
         if self.shadows.pop(request.id, None) is None:
             return self.local.completion(request)
+        self.shadow_text.pop(request.id, None)
         return Completion.of(request, self.local.text(request))
 
     def reports(self) -> list[RankReport]:
