@@ -9,6 +9,7 @@ import signal
 
 import pytest
 
+from engine.data_parallel import ShadowRequest
 from engine.llm import LLM
 from engine.request import InvalidRequest, SamplingParams
 from engine.workers import WorkerFailed
@@ -57,3 +58,11 @@ def test_data_parallel_needs_expert_parallel_and_no_tensor_parallel():
         LLM(model=cached_tiny("v4"), data_parallel_size=2)
     with pytest.raises(ValueError, match="tensor_parallel_size=1 for now .got True and 2"):
         LLM(cached_tiny("v4"), data_parallel_size=2, enable_expert_parallel=True, tensor_parallel_size=2)
+
+
+def test_a_request_on_another_rank_refuses_a_logits_processor():
+    """It could not travel to that rank: refused, not silently dropped."""
+    shadow = ShadowRequest([1, 2], GREEDY)
+    shadow.logits_processor = None
+    with pytest.raises(InvalidRequest, match="do not run under data parallel yet"):
+        shadow.logits_processor = lambda tokens, logits: logits
