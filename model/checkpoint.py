@@ -309,11 +309,6 @@ def plan_shard(
     check_description(path, stored)
     shard = None
     if parallel is not None and parallel.world > 1:
-        int8 = next((n for n in weight_names(stored) if stored_format(n, stored) == INT8), None)
-        if quantization == "w8a8" or int8:
-            raise ValueError(
-                f"{parallel.size_name}={parallel.world} does not run W8A8 yet ({int8 or 'quantization=w8a8'})"
-            )
         shard = shard_model(model, parallel)
     pack_linears(model, stored, cfg.fp8_block, quantization, shard)
     if shard is not None:
@@ -352,6 +347,10 @@ def pack_linears(
             continue
         if quantization == "w8a8" or fmt == INT8:
             packed = Int8Linear(*shape)
+            part = shard.slices.get(name) if shard is not None else None
+            if part is not None and part.dim == 0:  # per-output-channel scales go with their rows
+                for suffix in (W8A8_SCALE, W8A8_OFFSET):
+                    shard.slices[sibling(name, suffix)] = part
         elif fmt == MXFP4:
             packed = Mxfp4Linear(*shape)
         elif _block_scaled(name, stored, block):
@@ -413,9 +412,12 @@ def stream_weights(
         parts = {n: stored[n].read() for n in (name, *(sibling(name, s) for s in _SIBLINGS)) if n in stored}
         target = targets[name]
         if target.dtype == torch.int8:  # requantised to W8A8 (model-spec §9.4)
+            # Per output row over the whole row, then cut: a column slice keeps its rows' whole scales.
             q, scale = quantize_int8_ref(unpack(name, parts, block, torch.float32))
-            target.copy_(q)
-            targets[sibling(name, W8A8_SCALE)].copy_(scale[:, None])
+            part = slices.get(name)
+            target.copy_(q if part is None else part.take(q))
+            rows = part is not None and part.dim == 0
+            targets[sibling(name, W8A8_SCALE)].copy_(part.take(scale[:, None]) if rows else scale[:, None])
             targets[sibling(name, W8A8_OFFSET)].zero_()
             filled.update((sibling(name, W8A8_SCALE), sibling(name, W8A8_OFFSET)))
         else:

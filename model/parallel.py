@@ -25,6 +25,9 @@ from model.moe import Expert, Gate, MoE
 from model.quant_linear import BIAS_COLUMNS, DenseLinear, StackedExperts
 from model.shards import StoredTensor
 
+# A routed expert projection's checkpoint tensors, in any stored format (FP8 / MXFP4, W8A8, W4A8).
+EXPERT_TENSORS = ("weight", "scale", "weight_scale", "weight_offset", "scale_bias")
+
 
 @dataclass(frozen=True)
 class ParallelContext:
@@ -312,7 +315,7 @@ def _owned_experts(prefix: str, moe: MoE, plan: ShardPlan) -> range:
     e0, e1 = plan.context.span(experts, "n_routed_experts")
     for e in (*range(e0), *range(e1, experts)):
         plan.elsewhere.update(
-            f"{prefix}.experts.{e}.{w}.{t}" for w in ("w1", "w2", "w3") for t in ("weight", "scale")
+            f"{prefix}.experts.{e}.{w}.{t}" for w in ("w1", "w2", "w3") for t in EXPERT_TENSORS
         )
     return range(e0, e1)
 
