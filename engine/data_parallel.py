@@ -19,7 +19,7 @@ import torch.distributed as dist
 from engine.detokenizer import IncrementalDetokenizer
 from engine.llm_engine import Completion, LLMEngine
 from engine.request import FinishReason, InvalidRequest, Request, SamplingParams, Status
-from engine.workers import REPORT, STEP, STOP, RankReport, Workers, report
+from engine.workers import STEP, RankReport, Workers, next_plan, report
 from model.parallel import idle_step
 
 
@@ -69,15 +69,7 @@ def step_rank(engine: LLMEngine, admitted: list[Assigned], aborted: list[str]) -
 def follow_front(engine: LLMEngine, control: dist.ProcessGroup, rank: int, world: int) -> None:
     """A worker rank's loop: rank 0's plans until it says stop; each step's progress goes back to it."""
     reported: dict[str, int] = {}  # output tokens already sent, by request
-    while True:
-        received = [None]
-        dist.broadcast_object_list(received, src=0, group=control)
-        plan: DataParallelPlan = received[0]
-        if plan.command == STOP:
-            return
-        if plan.command == REPORT:
-            dist.all_gather_object([None] * world, report(engine.runner), group=control)
-            continue
+    while (plan := next_plan(control, world, engine.runner)) is not None:
         aborted = [i for i in plan.aborted if i in engine.requests]
         updated = step_rank(engine, plan.admitted.get(rank, []), aborted)
         progress = [_progress(r, reported) for r in updated]

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -411,18 +411,23 @@ def worker_main(rank: int, world: int, meet: Rendezvous, device: str, timeout_s:
     store.set(f"loaded/{rank}", error or "")
     if engine is not None:
         follow_front(engine, control, rank, world)
-    while runner is not None:
-        received = [None]
-        dist.broadcast_object_list(received, src=0, group=control)
-        plan: StepPlan = received[0]
-        if plan.command == STOP:
-            break
-        if plan.command == REPORT:
-            dist.all_gather_object([None] * world, report(runner), group=control)
-            continue
+    while runner is not None and (plan := next_plan(control, world, runner)) is not None:
         _follow(runner, plan)
         runner.run(plan.chunks)
     dist.destroy_process_group()
+
+
+def next_plan(control: dist.ProcessGroup, world: int, runner: ModelRunner) -> Any:
+    """A worker's next step plan from rank 0, answering report requests on the way; None: stop."""
+    while True:
+        received = [None]
+        dist.broadcast_object_list(received, src=0, group=control)
+        plan = received[0]
+        if plan.command == STOP:
+            return None
+        if plan.command != REPORT:
+            return plan
+        dist.all_gather_object([None] * world, report(runner), group=control)
 
 
 def _follow(runner: ModelRunner, plan: StepPlan) -> None:

@@ -4,9 +4,6 @@ finishes), every (token, expert) choice computed exactly once over the ranks, an
 
 from __future__ import annotations
 
-import os
-import signal
-
 import pytest
 
 from engine.data_parallel import ShadowRequest
@@ -15,6 +12,7 @@ from engine.request import InvalidRequest, SamplingParams
 from engine.workers import WorkerFailed
 from model.parallel import DispatchMoE
 from model.tiny import cached_tiny
+from tests.parallel.conftest import kill_worker
 
 # 40, 4 and 30 prompt tokens: chunks of 16; rank 0 gets the first and the last, rank 1 the short one.
 PROMPTS = [list(range(2, 42)), [0, 911, 37, 5], list(range(100, 130))]
@@ -44,9 +42,7 @@ def test_dp2_with_expert_parallel_matches_one_process_and_computes_each_choice_o
         tokens = sum(len(p) + GREEDY.max_tokens - 1 for p in PROMPTS)
         choices = sum(m.gate.top_k for m in llm.engine.model.layers.modules() if isinstance(m, DispatchMoE))
         assert sum(r.expert_pairs for r in reports) == tokens * choices
-        worker = llm.workers.processes[0]
-        os.kill(worker.pid, signal.SIGKILL)
-        worker.join(timeout=10)
+        kill_worker(llm)
         with pytest.raises(WorkerFailed, match="rank 1 exited with code -9"):
             llm.generate(PROMPTS[1], GREEDY, use_tqdm=False)
     finally:
