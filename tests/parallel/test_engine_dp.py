@@ -10,6 +10,8 @@ from engine.data_parallel import ShadowRequest
 from engine.llm import LLM
 from engine.request import InvalidRequest, SamplingParams
 from engine.workers import WorkerFailed
+from model.cache import block_layout, cache_groups
+from model.config import ModelConfig
 from model.parallel import DispatchMoE
 from model.tiny import cached_tiny
 from tests.parallel.conftest import kill_worker
@@ -62,3 +64,17 @@ def test_a_request_on_another_rank_refuses_a_logits_processor():
     shadow.logits_processor = None
     with pytest.raises(InvalidRequest, match="do not run under data parallel yet"):
         shadow.logits_processor = lambda tokens, logits: logits
+
+
+def test_dp2_preempting_ranks_give_the_tokens_of_one_process():
+    """A KV cache of a few blocks per rank: rank 0 preempts (and recomputes) one of its two requests."""
+    path, blocks = cached_tiny("v4"), 6
+    block_bytes, _ = block_layout(cache_groups(ModelConfig.from_file(path), 4), ENGINE["block_size"])
+    engine = {**ENGINE, "kv_cache_memory": blocks * block_bytes}
+    single = _tokens(LLM(model=path, enable_prefix_caching=False, **ENGINE))
+    llm = LLM(model=path, data_parallel_size=2, enable_expert_parallel=True, **engine)
+    try:
+        assert _tokens(llm) == single
+        assert llm.engine.scheduler.preemptions > 0
+    finally:
+        llm.close()
