@@ -44,3 +44,18 @@ def test_local_experts_sum_to_the_whole_layer_and_skip_other_ranks_choices(
     assert computed == [int((picked // (moe.shape[0] // WORLD) == r).sum()) for r in range(WORLD)]
     assert sum(computed) == picked.numel()
     torch.testing.assert_close(total, moe.experts(x, picked, weights), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("rank", range(WORLD))
+def test_the_kernel_skips_other_ranks_choices_as_the_reference_does(rank: int):
+    """The shifted choices (rank 0: past its last expert; rank 1: negative) through the Triton kernel."""
+    path = cached_tiny("v4")
+    part = load_model(path, parallel=ParallelContext(rank, WORLD))
+    local = next(m for m in part.modules() if isinstance(m, ExpertParallelMoE))
+    x = torch.randn(5, local.experts.shape[1], generator=torch.Generator().manual_seed(1))
+    picked, weights = local.gate(x, torch.arange(5))
+    shifted, routed = picked - local.experts.first, local.experts.routed()
+    mine = (shifted >= 0) & (shifted < routed.num_experts)
+    assert mine.any() and not mine.all()
+    expected = moe_gemm.moe_gemm_ref(x, shifted, weights, routed)
+    torch.testing.assert_close(moe_gemm.moe_gemm_triton(x, shifted, weights, routed), expected)
