@@ -161,9 +161,14 @@ class DataParallelEngine:
         if request_id not in self.shadows:
             self.local.abort(request_id)
             return
-        shadow = self.shadows[request_id][1]
-        if not shadow.finished:
-            shadow.status, shadow.finish_reason = Status.FINISHED, FinishReason.ABORT
+        rank, shadow = self.shadows[request_id]
+        if shadow.finished:
+            return
+        shadow.status, shadow.finish_reason = Status.FINISHED, FinishReason.ABORT
+        waiting = self.plan.admitted.get(rank, [])
+        if any(a.id == request_id for a in waiting):  # not sent yet: it never reaches its rank
+            waiting[:] = [a for a in waiting if a.id != request_id]
+        else:
             self.plan.aborted.append(request_id)
 
     @property

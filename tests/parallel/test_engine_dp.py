@@ -66,8 +66,9 @@ def test_a_request_on_another_rank_refuses_a_logits_processor():
         shadow.logits_processor = lambda tokens, logits: logits
 
 
-def test_dp2_preempting_ranks_give_the_tokens_of_one_process():
-    """A KV cache of a few blocks per rank: rank 0 preempts (and recomputes) one of its two requests."""
+def test_dp2_preempting_ranks_give_the_tokens_of_one_process_and_aborts_reach_rank_1():
+    """A KV cache of a few blocks per rank: rank 0 preempts (and recomputes) one of its two requests.
+    Then rank 1's requests are aborted, before and after they reach it."""
     path, blocks = cached_tiny("v4"), 6
     block_bytes, _ = block_layout(cache_groups(ModelConfig.from_file(path), 4), ENGINE["block_size"])
     engine = {**ENGINE, "kv_cache_memory": blocks * block_bytes}
@@ -76,5 +77,22 @@ def test_dp2_preempting_ranks_give_the_tokens_of_one_process():
     try:
         assert _tokens(llm) == single
         assert llm.engine.scheduler.preemptions > 0
+        _abort_on_rank_1(llm.engine)
     finally:
         llm.close()
+
+
+def _abort_on_rank_1(engine) -> None:
+    requests = [engine.add_request(p, GREEDY) for p in PROMPTS[1:]]  # one on each rank
+    unsent, first = sorted(requests, key=lambda r: r.id not in engine.shadows)  # rank 1's, rank 0's
+    engine.abort(unsent.id)
+    assert not engine.plan.admitted.get(1), "an unsent request never reaches its rank"
+    engine.step()
+    running = engine.add_request(PROMPTS[1], GREEDY)  # rank 1, the less loaded
+    engine.step()
+    engine.abort(running.id)  # aborted on rank 1 at the next step
+    while engine.has_work:
+        engine.step()
+    assert unsent.finish_reason.value == running.finish_reason.value == "abort"
+    assert first.finish_reason.value == "length" and len(first.output) == GREEDY.max_tokens
+    assert engine.completion(running).finish_reason == "abort"
