@@ -1,8 +1,9 @@
 """Tensor-parallel workers: rank 0, the engine's process, schedules and samples; ranks 1..N-1 are spawned
 processes that load their own shard and run every forward rank 0 runs, from the step plan it broadcasts
-on a CPU (gloo) group. The model's collectives run on the device's backend: gloo on cpu, NCCL on cuda,
-HCCL on npu. A worker that exits or stops answering turns rank 0's next step into a ``WorkerFailed``
-naming the rank, within the group's timeout.
+on a CPU (gloo) group. Data-parallel ranks start, meet and fail the same way and then run an engine of
+their own (``engine.data_parallel``). The model's collectives run on the device's backend: gloo on cpu,
+NCCL on cuda, HCCL on npu. A worker that exits or stops answering turns rank 0's next step into a
+``WorkerFailed`` naming the rank, within the group's timeout.
 """
 
 from __future__ import annotations
