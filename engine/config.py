@@ -39,12 +39,20 @@ class EngineConfig:
     prefix_page_size: int = _flag(256, "tokens per cached page: a multiple of every compress ratio, at least "
                                   "the sliding window")  # fmt: skip
     tensor_parallel_size: int = _flag(1, "ranks the model is split over, one process each", cli=False)
+    data_parallel_size: int = _flag(1, "ranks with their own requests, scheduler and KV cache", cli=False)
+    enable_expert_parallel: bool = _flag(False, "split the routed experts over the data-parallel ranks",
+                                         cli=False)  # fmt: skip
+
+    @property
+    def world_size(self) -> int:
+        """Processes the engine runs on: one per tensor- or data-parallel rank."""
+        return self.tensor_parallel_size * self.data_parallel_size
 
     @property
     def prefix_caching(self) -> bool:
         """Whether prefix caching is on: as asked, else on with one rank (not yet under tensor parallel)."""
         asked = self.enable_prefix_caching
-        return self.tensor_parallel_size == 1 if asked is None else asked
+        return self.world_size == 1 if asked is None else asked
 
     @property
     def lookahead(self) -> int:
@@ -54,7 +62,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         counts = ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "prefix_page_size",
-                  "tensor_parallel_size")  # fmt: skip
+                  "tensor_parallel_size", "data_parallel_size")  # fmt: skip
         for name in counts:
             if (value := getattr(self, name)) < 1:
                 raise ValueError(f"{name}={value} must be at least 1")
@@ -70,8 +78,15 @@ class EngineConfig:
             )
         if self.num_speculative_tokens is not None and not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens} must be in [1, 16]")
-        if self.tensor_parallel_size > 1 and (self.speculative_method or self.enable_prefix_caching):
+        dp = self.data_parallel_size
+        if dp > 1 and (self.tensor_parallel_size > 1 or not self.enable_expert_parallel):
             raise ValueError(
-                f"tensor_parallel_size={self.tensor_parallel_size} runs without speculative decoding and "
-                "prefix caching for now: set speculative_method=None and enable_prefix_caching=False"
+                f"data_parallel_size={dp} runs with enable_expert_parallel=True and tensor_parallel_size=1 "
+                f"for now (got {self.enable_expert_parallel} and {self.tensor_parallel_size})"
+            )
+        if self.world_size > 1 and (self.speculative_method or self.enable_prefix_caching):
+            raise ValueError(
+                f"tensor_parallel_size={self.tensor_parallel_size} x data_parallel_size={dp} runs without "
+                "speculative decoding and prefix caching for now: set speculative_method=None and "
+                "enable_prefix_caching=False"
             )

@@ -18,6 +18,7 @@ import torch
 from tqdm import tqdm
 
 from engine.config import SPECULATIVE_ALIASES, EngineConfig
+from engine.data_parallel import DataParallelEngine
 from engine.llm_engine import LLMEngine
 from engine.request import Request, SamplingParams
 from engine.workers import load_ranks
@@ -53,6 +54,8 @@ class LLM:
         model: str | Path | None = None,
         *,
         tensor_parallel_size: int = 1,
+        data_parallel_size: int = 1,
+        enable_expert_parallel: bool = False,
         dtype: str | torch.dtype = "auto",
         device: str | None = None,
         quantization: str | None = None,
@@ -68,7 +71,8 @@ class LLM:
         checkpoint's own format (``fp8``, ``ascend``; None: whatever it stores) or ``w8a8`` (requantise an FP8
         checkpoint to int8 at load); ``trust_remote_code`` and ``enforce_eager`` are accepted as vLLM's and
         change nothing here. ``tensor_parallel_size`` N > 1 spawns N - 1 worker processes (``close()`` ends
-        them); prefix caching is then off by default."""
+        them); prefix caching is then off by default. ``data_parallel_size`` D > 1 (with
+        ``enable_expert_parallel``) runs D engines, one process each, the routed experts split over them."""
         where, compute_dtype = placement(device, dtype)
         known = {f.name for f in dataclasses.fields(EngineConfig)}
         if unknown := sorted(set(engine_args) - known):
@@ -85,13 +89,22 @@ class LLM:
             from model.tiny import cached_tiny
 
             model = cached_tiny("v41")
-        config = EngineConfig(tensor_parallel_size=tensor_parallel_size, **engine_args)
+        config = EngineConfig(
+            tensor_parallel_size=tensor_parallel_size,
+            data_parallel_size=data_parallel_size,
+            enable_expert_parallel=enable_expert_parallel,
+            **engine_args,
+        )
         quantization = loader_quantization(model, quantization)
         built, self.workers = load_ranks(model, compute_dtype, where, config, quantization)
         if self.workers:
             weakref.finalize(self, self.workers.close)
         try:
-            self.engine = LLMEngine(built, load_tokenizer(model), config, workers=self.workers)
+            if config.data_parallel_size > 1:
+                local = LLMEngine(built, load_tokenizer(model), config)
+                self.engine = DataParallelEngine(local, self.workers)
+            else:
+                self.engine = LLMEngine(built, load_tokenizer(model), config, workers=self.workers)
         except BaseException:
             self.close()
             raise

@@ -37,6 +37,18 @@ class Completion:
     finish_reason: str
     logprobs: list[dict[int, float]] | None
 
+    @classmethod
+    def of(cls, request: Request, text: str) -> Completion:
+        """A finished request's result; ``text``: its output decoded up to any stop string."""
+        return cls(
+            request.id,
+            request.prompt,
+            list(request.output),
+            text,
+            request.finish_reason.value if request.finish_reason else "",
+            request.logprobs if request.params.logprobs is not None else None,
+        )
+
 
 class LLMEngine:
     def __init__(
@@ -85,6 +97,20 @@ class LLMEngine:
         self, prompt: list[int], params: SamplingParams, request_id: str | None = None
     ) -> Request:
         """Validate and queue a request; everything that could never run is rejected here."""
+        self.validate(prompt, params)
+        request = Request(list(prompt), params, arrival=self._arrivals)
+        if request_id is not None:
+            if request_id in self.requests:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            request.id = request_id
+        self._arrivals += 1
+        self.requests[request.id] = request
+        self.detokenizers[request.id] = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+        self.scheduler.add(request)
+        return request
+
+    def validate(self, prompt: list[int], params: SamplingParams) -> None:
+        """Reject a request this engine could never run (``InvalidRequest`` naming the field)."""
         vocab, limit = self.model.cfg.vocab_size, self.config.max_model_len
         if params.n != 1:
             raise ValueError(f"n={params.n}: a request is one sequence (LLM.generate and the server run n)")
@@ -107,16 +133,6 @@ class LLMEngine:
                 f"request needs up to {peak} KV cache blocks; the cache has {self.cache.num_blocks}",
                 "max_tokens",
             )
-        request = Request(list(prompt), params, arrival=self._arrivals)
-        if request_id is not None:
-            if request_id in self.requests:
-                raise ValueError(f"request id {request_id!r} is already in use")
-            request.id = request_id
-        self._arrivals += 1
-        self.requests[request.id] = request
-        self.detokenizers[request.id] = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
-        self.scheduler.add(request)
-        return request
 
     def abort(self, request_id: str) -> None:
         request = self.requests.get(request_id)
@@ -245,14 +261,7 @@ class LLMEngine:
     def completion(self, request: Request) -> Completion:
         self.requests.pop(request.id, None)
         self.detokenizers.pop(request.id, None)
-        return Completion(
-            request.id,
-            request.prompt,
-            list(request.output),
-            self.text(request),
-            request.finish_reason.value if request.finish_reason else "",
-            request.logprobs if request.params.logprobs is not None else None,
-        )
+        return Completion.of(request, self.text(request))
 
 
 def _first_stop(text: str, new: int, stops: tuple[str, ...]) -> int | None:

@@ -1,7 +1,8 @@
 """The memory plan made at start-up, before any weight byte is read: weights (from the shard headers, as
 the loader will hold them), an activation workspace for ``max_num_batched_tokens``, and the KV cache
 from what remains of the budget (``--gpu-memory-utilization`` of the device, or ``--kv-cache-memory``
-bytes outright). A plan whose KV cache cannot hold one request of ``max_model_len`` is refused, naming
+bytes outright). Over several ranks the weights are one rank's share (the sharded shapes: every rank
+holds the same amount). A plan whose KV cache cannot hold one request of ``max_model_len`` is refused, naming
 the numbers, so a server that would fail its first long request never starts."""
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ import torch
 
 from engine.kv_cache import KVCacheManager
 from model.cache import cache_groups
-from model.checkpoint import plan_model
+from model.checkpoint import plan_shard
 from model.config import ModelConfig
+from model.parallel import ParallelContext
 
 GIB = 2**30
 
@@ -68,10 +70,12 @@ def plan_memory(
     gpu_memory_utilization: float | None = None,
     device_bytes: int | None = None,
     lookahead: int = 0,
+    parallel: ParallelContext | None = None,
 ) -> MemoryPlan:
-    """The plan for serving ``path``; ``gpu_memory_utilization`` shares ``device_bytes`` between weights,
+    """The plan for serving ``path`` on one device (``parallel``: that of the rank it names, every rank's
+    KV cache sized alike); ``gpu_memory_utilization`` shares ``device_bytes`` between weights,
     activations and the KV cache, else the KV cache gets ``kv_cache_memory`` bytes."""
-    model, _ = plan_model(path, dtype, quantization)
+    model, _, _ = plan_shard(path, dtype, quantization, parallel)
     weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     itemsize = torch.empty(0, dtype=dtype).element_size()
     activations = activation_bytes(model.cfg, max_num_batched_tokens, itemsize)

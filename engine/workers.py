@@ -1,8 +1,9 @@
 """Tensor-parallel workers: rank 0, the engine's process, schedules and samples; ranks 1..N-1 are spawned
 processes that load their own shard and run every forward rank 0 runs, from the step plan it broadcasts
-on a CPU (gloo) group. The model's collectives run on the device's backend: gloo on cpu, NCCL on cuda,
-HCCL on npu. A worker that exits or stops answering turns rank 0's next step into a ``WorkerFailed``
-naming the rank, within the group's timeout.
+on a CPU (gloo) group. Data-parallel ranks start, meet and fail the same way and then run an engine of
+their own (``engine.data_parallel``). The model's collectives run on the device's backend: gloo on cpu,
+NCCL on cuda, HCCL on npu. A worker that exits or stops answering turns rank 0's next step into a
+``WorkerFailed`` naming the rank, within the group's timeout.
 """
 
 from __future__ import annotations
@@ -13,11 +14,11 @@ import hashlib
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -31,7 +32,8 @@ from model.cache import KVPools, cache_groups
 from model.causal_lm import CausalLM
 from model.checkpoint import load_model
 from model.config import ModelConfig
-from model.parallel import ParallelContext, check_divisible
+from model.parallel import DispatchMoE, ParallelContext, check_divisible
+from model.tokenizer import load_tokenizer
 
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 STEP, REPORT, STOP = "step", "report", "stop"
@@ -151,12 +153,19 @@ class RankReport:
     weight_bytes: int  # resident bytes of the model's checkpointed tensors
     cache_bytes: int
     checksums: dict[str, str]  # ``cache_checksums``: equal on every rank after any run
+    expert_pairs: int = 0  # (token, expert) choices this rank's experts computed (data parallel)
+
+
+def resident_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """The bytes the tensors' storages hold, each storage once (a stacked expert's views share one)."""
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
 
 
 def report(runner: ModelRunner) -> RankReport:
-    weights = sum(t.untyped_storage().nbytes() for t in runner.model.official_state().values())
-    pools = runner.pools
-    return RankReport(weights, pools.buffer.untyped_storage().nbytes(), cache_checksums(pools))
+    pools, model = runner.pools, runner.model
+    weights, cache = resident_bytes(model.official_state().values()), pools.buffer.untyped_storage().nbytes()
+    pairs = sum(m.pairs_computed for m in model.modules() if isinstance(m, DispatchMoE))
+    return RankReport(weights, cache, cache_checksums(pools), pairs)
 
 
 def cache_checksums(pools: KVPools) -> dict[str, str]:
@@ -174,7 +183,8 @@ class Workers:
 
     def __init__(self, world: int, spec: WorkerSpec, meet: Rendezvous = Rendezvous()):
         """Spawn this machine's ranks after 0 (the others start with ``serve_node`` on their machines)."""
-        check_divisible(ModelConfig.from_file(spec.path), world)  # before any process starts
+        data_parallel = spec.config.data_parallel_size > 1
+        check_divisible(ModelConfig.from_file(spec.path), world, data_parallel)  # before any process starts
         self.world, self.spec, self.closed = world, spec, False
         self.failed: WorkerFailed | None = None
         self.on_failure: Callable[[WorkerFailed], None] | None = None
@@ -183,9 +193,10 @@ class Workers:
         self.processes = _spawn(self.ranks, world, meet, spec.device, spec.timeout_s)
         try:
             with self.guard():
-                self.context, self.control, self.store = init_group(
+                context, self.control, self.store = init_group(
                     0, world, meet, spec.device, spec.timeout_s, self.check
                 )
+                self.context = dataclasses.replace(context, data_parallel=data_parallel)
                 dist.broadcast_object_list([spec], src=0, group=self.control)  # what every rank loads
         except BaseException:
             self.close()
@@ -219,9 +230,10 @@ class Workers:
         """Every rank's ``RankReport``, in rank order (``leader``: rank 0's own)."""
         with self.guard():
             self.broadcast(StepPlan(REPORT))
-            return self._gather(leader)
+            return self.gather(leader)
 
-    def _gather(self, value: object) -> list:
+    def gather(self, value: object) -> list:
+        """Every rank's ``value``, in rank order (``value``: rank 0's)."""
         out = [None] * self.world
         dist.all_gather_object(out, value, group=self.control)
         return out
@@ -331,12 +343,12 @@ def load_ranks(
     quantization: str = "auto",
     meet: Rendezvous = Rendezvous(),
 ) -> tuple[CausalLM, Workers | None]:
-    """Rank 0's model and, with ``config.tensor_parallel_size`` > 1, the started workers holding the
+    """Rank 0's model and, over several tensor- or data-parallel ranks, the started workers holding the
     other shards (closed again if anything fails on the way)."""
-    if config.tensor_parallel_size == 1:
+    if config.world_size == 1:
         return load_model(path, dtype, device, quantization), None
     spec = WorkerSpec(str(path), dtype, device.type, config, quantization)
-    workers = Workers(config.tensor_parallel_size, spec, meet)
+    workers = Workers(config.world_size, spec, meet)
     try:
         model = load_model(path, dtype, device, quantization, parallel=workers.context)
         workers.ready()
@@ -379,29 +391,44 @@ def worker_main(rank: int, world: int, meet: Rendezvous, device: str, timeout_s:
     dist.broadcast_object_list(received, src=0, group=control)
     spec: WorkerSpec = received[0]
     torch.set_num_threads(spec.threads)
-    runner, error = None, None
+    config = spec.config
+    context = dataclasses.replace(context, data_parallel=config.data_parallel_size > 1)
+    runner, engine, error = None, None, None
     try:
         model = load_model(spec.path, spec.dtype, spec.device, spec.quantization, parallel=context)
-        config = spec.config
-        groups = cache_groups(model.cfg, model.embed.weight.element_size())
-        runner = ModelRunner(
-            model, KVCacheManager.from_budget(groups, config.block_size, config.kv_cache_memory)
-        )
+        if context.data_parallel:
+            # Imported here: the data-parallel engine is built on this module.
+            from engine.data_parallel import follow_front
+            from engine.llm_engine import LLMEngine
+
+            engine = LLMEngine(model, load_tokenizer(spec.path), config)
+        else:
+            groups = cache_groups(model.cfg, model.embed.weight.element_size())
+            runner = ModelRunner(
+                model, KVCacheManager.from_budget(groups, config.block_size, config.kv_cache_memory)
+            )
     except Exception as err:  # reported to rank 0, which raises it naming this rank
         error = f"{type(err).__name__}: {err}"
     store.set(f"loaded/{rank}", error or "")
-    while runner is not None:
-        received = [None]
-        dist.broadcast_object_list(received, src=0, group=control)
-        plan: StepPlan = received[0]
-        if plan.command == STOP:
-            break
-        if plan.command == REPORT:
-            dist.all_gather_object([None] * world, report(runner), group=control)
-            continue
+    if engine is not None:
+        follow_front(engine, control, rank, world)
+    while runner is not None and (plan := next_plan(control, world, runner)) is not None:
         _follow(runner, plan)
         runner.run(plan.chunks)
     dist.destroy_process_group()
+
+
+def next_plan(control: dist.ProcessGroup, world: int, runner: ModelRunner) -> Any:
+    """A worker's next step plan from rank 0, answering report requests on the way; None: stop."""
+    while True:
+        received = [None]
+        dist.broadcast_object_list(received, src=0, group=control)
+        plan = received[0]
+        if plan.command == STOP:
+            return None
+        if plan.command != REPORT:
+            return plan
+        dist.all_gather_object([None] * world, report(runner), group=control)
 
 
 def _follow(runner: ModelRunner, plan: StepPlan) -> None:

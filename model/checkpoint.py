@@ -32,7 +32,7 @@ from model.deepseek_v4 import DeepseekV4
 from model.deepseek_v41 import DeepseekV41
 from model.engram import Engram, compressed_token_map
 from model.moe import MoE
-from model.parallel import ParallelContext, ShardPlan, connect, shard_model
+from model.parallel import ExpertParallelMoE, ParallelContext, ShardPlan, connect, shard_model
 from model.quant import dequantize_fp4, dequantize_fp8
 from model.quant_linear import BIAS_COLUMNS, DenseLinear, Fp8Linear, Int8Linear, Mxfp4Linear, StackedExperts
 from model.shards import StoredTensor, read_headers
@@ -309,11 +309,6 @@ def plan_shard(
     check_description(path, stored)
     shard = None
     if parallel is not None and parallel.world > 1:
-        int8 = next((n for n in weight_names(stored) if stored_format(n, stored) == INT8), None)
-        if quantization == "w8a8" or int8:
-            raise ValueError(
-                f"tensor_parallel_size={parallel.world} does not run W8A8 yet ({int8 or 'quantization=w8a8'})"
-            )
         shard = shard_model(model, parallel)
     pack_linears(model, stored, cfg.fp8_block, quantization, shard)
     if shard is not None:
@@ -331,13 +326,13 @@ def pack_linears(
     shard: ShardPlan | None = None,
 ) -> None:
     """Swap, on ``meta``, each linear the checkpoint stores quantised for the packed layer that keeps it
-    so (``auto``) or for int8 W8A8 (``w8a8``), and stack each MoE layer's routed experts in that format (one
-    by one under a ``shard``, whose split FP8 weights read their slices of the block scales too); FP8
+    so (``auto``) or for int8 W8A8 (``w8a8``), and stack each MoE layer's routed experts in that format (a
+    ``shard``'s own experts only; its split FP8 weights read their slices of the block scales too); FP8
     Engram tables stay FP8 (only the rows a step reads are decoded)."""
     if quantization == "dense":
         return
     for prefix, module in list(model.named_modules()):
-        if isinstance(module, MoE):
+        if isinstance(module, (MoE, ExpertParallelMoE)):
             fmt, columns = expert_format(f"{prefix}.experts", stored, block)
             if fmt != DENSE:
                 module.pack_experts(INT8 if quantization == "w8a8" else fmt, block or 1, columns)
@@ -352,6 +347,10 @@ def pack_linears(
             continue
         if quantization == "w8a8" or fmt == INT8:
             packed = Int8Linear(*shape)
+            part = shard.slices.get(name) if shard is not None else None
+            if part is not None and part.dim == 0:  # per-output-channel scales go with their rows
+                for suffix in (W8A8_SCALE, W8A8_OFFSET):
+                    shard.slices[sibling(name, suffix)] = part
         elif fmt == MXFP4:
             packed = Mxfp4Linear(*shape)
         elif _block_scaled(name, stored, block):
@@ -413,9 +412,12 @@ def stream_weights(
         parts = {n: stored[n].read() for n in (name, *(sibling(name, s) for s in _SIBLINGS)) if n in stored}
         target = targets[name]
         if target.dtype == torch.int8:  # requantised to W8A8 (model-spec §9.4)
+            # Per output row over the whole row, then cut: a column slice keeps its rows' whole scales.
             q, scale = quantize_int8_ref(unpack(name, parts, block, torch.float32))
-            target.copy_(q)
-            targets[sibling(name, W8A8_SCALE)].copy_(scale[:, None])
+            part = slices.get(name)
+            target.copy_(q if part is None else part.take(q))
+            rows = part is not None and part.dim == 0
+            targets[sibling(name, W8A8_SCALE)].copy_(part.take(scale[:, None]) if rows else scale[:, None])
             targets[sibling(name, W8A8_OFFSET)].zero_()
             filled.update((sibling(name, W8A8_SCALE), sibling(name, W8A8_OFFSET)))
         else:

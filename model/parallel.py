@@ -22,24 +22,33 @@ from torch import nn
 from model.attention import SharedKVAttention
 from model.config import ModelConfig
 from model.moe import Expert, Gate, MoE
-from model.quant_linear import DenseLinear
+from model.quant_linear import BIAS_COLUMNS, DenseLinear, StackedExperts
 from model.shards import StoredTensor
+
+# A routed expert projection's checkpoint tensors, in any stored format (FP8 / MXFP4, W8A8, W4A8).
+EXPERT_TENSORS = ("weight", "scale", "weight_scale", "weight_offset", "scale_bias")
 
 
 @dataclass(frozen=True)
 class ParallelContext:
-    """This process's place in the tensor-parallel group (``group`` None: the default group)."""
+    """This process's place in the group (``group`` None: the default group); ``data_parallel``: the ranks
+    hold whole replicated models but for the routed experts, split over them (stage B)."""
 
     rank: int = 0
     world: int = 1
     group: dist.ProcessGroup | None = None
+    data_parallel: bool = False
 
     def span(self, total: int, what: str) -> tuple[int, int]:
         """This rank's ``[start, stop)`` of ``total`` items split evenly over the group."""
         if total % self.world:
-            raise ValueError(f"{what}={total} does not divide over tensor_parallel_size={self.world}")
+            raise ValueError(f"{what}={total} does not divide over {self.size_name}={self.world}")
         share = total // self.world
         return self.rank * share, (self.rank + 1) * share
+
+    @property
+    def size_name(self) -> str:
+        return "data_parallel_size" if self.data_parallel else "tensor_parallel_size"
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.world > 1:
@@ -112,7 +121,8 @@ def connect(model: nn.Module, plan: ShardPlan) -> None:
 
     for name in plan.row_parallel:
         model.get_submodule(name).register_forward_hook(reduce)
-    model.head.register_forward_hook(lambda _module, _args, out: context.all_gather(out))
+    if not context.data_parallel:  # a data-parallel rank's head is whole
+        model.head.register_forward_hook(lambda _module, _args, out: context.all_gather(out))
 
 
 class VocabParallelEmbedding(nn.Embedding):
@@ -130,6 +140,30 @@ class VocabParallelEmbedding(nn.Embedding):
         return self.context.all_reduce(out.float()).to(out.dtype)  # fp32 on the wire: any backend sums it
 
 
+class LocalExperts(StackedExperts):
+    """The routed experts ``[first, first + count)`` of a layer, stacked in their stored format and named
+    as the checkpoint names them; choices of other experts are shifted outside ``[0, count)``, so
+    ``moe_gemm`` sorts them after the last expert and never computes them."""
+
+    def __init__(self, first: int, count: int, shape: tuple, *args: object):
+        _, hidden, inter, limit = shape
+        super().__init__(count, hidden, inter, limit, *args)
+        self.first, self.shape = first, shape
+
+    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        local: dict[str, torch.Tensor] = {}
+        super()._save_to_state_dict(local, "", keep_vars)
+        for name, t in local.items():
+            e, _, rest = name.partition(".")
+            destination[f"{prefix}{int(e) + self.first}.{rest}"] = t
+
+    def forward(self, x: torch.Tensor, picked: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return super().forward(x, picked - self.first, weights)
+
+    def pack(self, fmt: str, block: int = 1, bias_columns: tuple[int, ...] = BIAS_COLUMNS) -> LocalExperts:
+        return LocalExperts(self.first, self.w1.shape[0], self.shape, fmt, block, bias_columns)
+
+
 class ExpertParallelMoE(nn.Module):
     """A MoE block's share on one rank: the replicated gate, the routed experts ``[start, stop)`` (a token
     is computed here only for the experts of this rank it is routed to) and a slice of the shared
@@ -140,45 +174,107 @@ class ExpertParallelMoE(nn.Module):
     ):
         """``shape``: the block's ``MoE.shape``, (experts, hidden, intermediate, clamp limit)."""
         super().__init__()
-        _, hidden, inter, limit = shape
-        self.gate, self.context, self.owned = gate, context, experts
-        self.experts = nn.ModuleDict({str(e): Expert(hidden, inter, limit) for e in experts})
+        self.gate, self.context = gate, context
+        self.experts = LocalExperts(experts.start, len(experts), shape)
         self.shared_experts = shared
+
+    def pack_experts(self, fmt: str, block: int = 1, bias_columns: tuple[int, ...] = BIAS_COLUMNS) -> None:
+        """Hold this rank's routed experts in the stored format ``fmt`` (the loader calls it on ``meta``)."""
+        self.experts = self.experts.pack(fmt, block, bias_columns)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         picked, weights = self.gate(x, ids)
-        out = torch.zeros_like(x, dtype=torch.float32)
-        mine = (picked >= self.owned.start) & (picked < self.owned.stop)
-        for e in picked[mine].unique().tolist():
-            token, slot = torch.where(picked == e)
-            out.index_add_(0, token, self.experts[str(e)](x[token]).float() * weights[token, slot, None])
+        out = self.experts(x, picked, weights)
         if self.shared_experts is not None:
             out += self.shared_experts(x).float()
         return self.context.all_reduce(out).to(x.dtype)
 
 
-def check_divisible(cfg: ModelConfig, world: int) -> None:
-    """Fail before any process starts when the model does not split over ``world`` ranks."""
+class DispatchMoE(ExpertParallelMoE):
+    """Stage B's MoE block: each data-parallel rank routes its own tokens with the replicated gate, sends
+    every (token, expert) choice to the rank owning the expert (all-to-all: the counts first, then the
+    rows), computes the choices it received with its ``LocalExperts`` and sends the weighted results back
+    (all-to-all), where each token sums its ``k`` results in slot order, as one process does. A rank with
+    no tokens still takes part with empty rows, so every rank runs the same collectives."""
+
+    def __init__(self, *args: object):
+        """As ``ExpertParallelMoE``, with the whole shared expert."""
+        super().__init__(*args)
+        self.per_rank = self.experts.w1.shape[0]
+        self.pairs_computed = 0  # (token, expert) choices this rank's experts computed, for the checks
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        picked, weights = self.gate(x, ids)
+        t, k = picked.shape
+        owner = (picked // self.per_rank).reshape(-1)
+        order = torch.argsort(owner, stable=True)
+        sent = torch.bincount(owner, minlength=self.context.world)
+        received = torch.empty_like(sent)
+        dist.all_to_all_single(received, sent, group=self.context.group)
+        sent_sizes, received_sizes = sent.tolist(), received.tolist()  # the payload's split sizes
+        # One fp32 row per choice: the token's hidden state, its expert and its routing weight (exact).
+        rows = torch.cat([x.float()[order // k], picked.reshape(-1, 1)[order].float(),
+                          weights.reshape(-1, 1)[order]], dim=1)  # fmt: skip
+        inbox = rows.new_empty(sum(received_sizes), rows.shape[1])
+        dist.all_to_all_single(inbox, rows, received_sizes, sent_sizes, group=self.context.group)
+        self.pairs_computed += inbox.shape[0]
+        hidden = inbox[:, :-2].to(x.dtype)
+        results = self.experts(hidden, inbox[:, -2:-1].long(), inbox[:, -1:]).float()
+        back = results.new_empty(t * k, x.shape[1])
+        dist.all_to_all_single(back, results, sent_sizes, received_sizes, group=self.context.group)
+        out = torch.empty_like(back)
+        out[order] = back
+        out = out.view(t, k, x.shape[1]).sum(1)
+        if self.shared_experts is not None:
+            out += self.shared_experts(x).float()
+        return out.to(x.dtype)
+
+
+def idle_step(model: nn.Module) -> None:
+    """A data-parallel rank with nothing scheduled: its backbone's MoE blocks dispatch zero tokens, in
+    forward order, so the other ranks' all-to-alls find it (the collectives are the only thing that must
+    match)."""
+    weight = model.embed.weight
+    empty = torch.empty(0, model.cfg.hidden_size, dtype=weight.dtype, device=weight.device)
+    ids = torch.empty(0, dtype=torch.long, device=weight.device)
+    for module in model.layers.modules():
+        if isinstance(module, DispatchMoE):
+            module(empty, ids)
+
+
+def check_divisible(cfg: ModelConfig, world: int, data_parallel: bool = False) -> None:
+    """Fail before any process starts when the model does not split over ``world`` ranks (data parallel:
+    only the routed experts are split)."""
+    size = ParallelContext(0, 1, data_parallel=data_parallel).size_name
     if world < 1:
-        raise ValueError(f"tensor_parallel_size={world} must be at least 1")
-    counts = {
-        "num_attention_heads": cfg.num_attention_heads,
-        "o_groups": cfg.o_groups,
-        "n_routed_experts": cfg.n_routed_experts,
-        "moe_intermediate_size": cfg.moe_intermediate_size,
-        "vocab_size": cfg.vocab_size,
-    }
+        raise ValueError(f"{size}={world} must be at least 1")
+    counts = (
+        {"n_routed_experts": cfg.n_routed_experts}
+        if data_parallel
+        else {
+            "num_attention_heads": cfg.num_attention_heads,
+            "o_groups": cfg.o_groups,
+            "n_routed_experts": cfg.n_routed_experts,
+            "moe_intermediate_size": cfg.moe_intermediate_size,
+            "vocab_size": cfg.vocab_size,
+        }
+    )
     if bad := {name: n for name, n in counts.items() if n % world}:
         named = ", ".join(f"{name}={n}" for name, n in bad.items())
-        raise ValueError(f"tensor_parallel_size={world} does not divide {named}")
+        raise ValueError(f"{size}={world} does not divide {named}")
 
 
 def shard_model(model: nn.Module, context: ParallelContext) -> ShardPlan:
     """Replace, on ``meta``, the split modules of ``model`` by this rank's share (checkpoint names kept);
     ``connect`` then attaches the collectives of the linears."""
     cfg, plan = model.cfg, ShardPlan(context)
-    check_divisible(cfg, context.world)
+    check_divisible(cfg, context.world, context.data_parallel)
     with torch.device("meta"):
+        if context.data_parallel:
+            for prefix, module in list(model.named_modules()):
+                if isinstance(module, MoE):
+                    _replace(model, prefix, _dispatch_moe(prefix, module, plan))
+            return plan
         for prefix, module in list(model.named_modules()):
             if isinstance(module, SharedKVAttention):
                 _shard_attention(prefix, module, plan)
@@ -213,13 +309,25 @@ def _shard_attention(prefix: str, attn: SharedKVAttention, plan: ShardPlan) -> N
     plan.row_parallel.append(f"{prefix}.wo_b")
 
 
-def _shard_moe(prefix: str, moe: MoE, plan: ShardPlan) -> ExpertParallelMoE:
-    experts, hidden, inter, limit = moe.shape
+def _owned_experts(prefix: str, moe: MoE, plan: ShardPlan) -> range:
+    """This rank's routed experts; the others' tensors are marked as read elsewhere."""
+    experts = moe.shape[0]
     e0, e1 = plan.context.span(experts, "n_routed_experts")
     for e in (*range(e0), *range(e1, experts)):
         plan.elsewhere.update(
-            f"{prefix}.experts.{e}.{w}.{t}" for w in ("w1", "w2", "w3") for t in ("weight", "scale")
+            f"{prefix}.experts.{e}.{w}.{t}" for w in ("w1", "w2", "w3") for t in EXPERT_TENSORS
         )
+    return range(e0, e1)
+
+
+def _dispatch_moe(prefix: str, moe: MoE, plan: ShardPlan) -> DispatchMoE:
+    owned = _owned_experts(prefix, moe, plan)
+    return DispatchMoE(moe.gate, owned, moe.shared_experts, moe.shape, plan.context)
+
+
+def _shard_moe(prefix: str, moe: MoE, plan: ShardPlan) -> ExpertParallelMoE:
+    _, hidden, inter, limit = moe.shape
+    owned = _owned_experts(prefix, moe, plan)
     shared = None
     if moe.shared_experts is not None:
         i0, i1 = _split(plan, f"{prefix}.shared_experts.w1.weight", 0, inter, "moe_intermediate_size")
@@ -227,7 +335,7 @@ def _shard_moe(prefix: str, moe: MoE, plan: ShardPlan) -> ExpertParallelMoE:
         plan.slices[f"{prefix}.shared_experts.w2.weight"] = TensorSlice(1, i0, i1)
         # Its w2 stays a plain linear: the partial output joins the routed experts' before the one reduce.
         shared = Expert(hidden, i1 - i0, limit)
-    return ExpertParallelMoE(moe.gate, range(e0, e1), shared, moe.shape, plan.context)
+    return ExpertParallelMoE(moe.gate, owned, shared, moe.shape, plan.context)
 
 
 def _replace(model: nn.Module, prefix: str, module: nn.Module) -> None:

@@ -101,7 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument("--kv-cache-dtype", default="auto", help="auto only (the model's own cache formats)")
     cache.add_argument("--enforce-eager", action="store_true", help="accepted: no graphs are captured")
 
-    parallel = p.add_argument_group("parallelism (tensor parallel, experts split inside the group)")
+    parallel = p.add_argument_group("parallelism (tensor parallel with the experts split inside the group, "
+                                    "or data parallel with expert parallel)")  # fmt: skip
     for name, short in (("tensor", "tp"), ("data", "dp"), ("pipeline", "pp")):
         parallel.add_argument(f"--{name}-parallel-size", f"-{short}", type=int, default=1)
     parallel.add_argument("--nnodes", type=int, default=1, help="machines the tensor-parallel ranks span")
@@ -111,7 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     parallel.add_argument("--master-port", type=int, default=0,
                           help="the port the ranks meet on (needed with --nnodes > 1)")  # fmt: skip
     parallel.add_argument("--enable-expert-parallel", action="store_true",
-                          help="accepted: under tensor parallelism the experts are always split")  # fmt: skip
+                          help="split the routed experts over the data-parallel ranks (under tensor "
+                          "parallelism they are always split)")  # fmt: skip
 
     spec = p.add_argument_group("speculative decoding")
     spec.add_argument(
@@ -207,9 +209,15 @@ def _check(args: argparse.Namespace) -> None:
     args.model = args.model or args.model_tag
     if args.tensor_parallel_size < 1:
         raise ValueError(f"--tensor-parallel-size={args.tensor_parallel_size} must be at least 1")
-    for name in ("data", "pipeline"):
-        if (size := getattr(args, f"{name}_parallel_size")) != 1:
-            raise ValueError(f"--{name}-parallel-size={size}: only tensor parallelism for now (1)")
+    if args.pipeline_parallel_size != 1:
+        raise ValueError(f"--pipeline-parallel-size={args.pipeline_parallel_size}: not supported (1)")
+    if args.data_parallel_size < 1:
+        raise ValueError(f"--data-parallel-size={args.data_parallel_size} must be at least 1")
+    if args.data_parallel_size > 1 and (args.tensor_parallel_size > 1 or not args.enable_expert_parallel):
+        raise ValueError(
+            f"--data-parallel-size={args.data_parallel_size} runs with --enable-expert-parallel and "
+            f"--tensor-parallel-size=1 for now (got {args.tensor_parallel_size})"
+        )
     if args.dtype in ("float16", "half"):
         raise ValueError(f"--dtype={args.dtype}: the model computes in bfloat16 or float32 (or auto)")
     if args.kv_cache_dtype != "auto":

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 import uvicorn
 
+from engine.data_parallel import DataParallelEngine
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.memory_plan import MemoryPlan, plan_memory
 from engine.server.api import MAX_REQUEST_BYTES, OpenAIServer
@@ -24,10 +25,11 @@ from engine.server.app import build_app
 from engine.server.args import engine_config, non_default
 from engine.server.protocol import GENERATION_FIELDS
 from engine.server.shutdown import FLUSH_TIMEOUT, GracefulServer
-from engine.workers import Rendezvous, load_ranks, serve_node
+from engine.workers import Rendezvous, Workers, load_ranks, serve_node
 from model.chat_profile import select_chat_profile
 from model.checkpoint import loader_quantization, placement
 from model.config import ModelConfig
+from model.parallel import ParallelContext
 from model.tiny import cached_tiny
 from model.tokenizer import load_tokenizer
 from triton_kernels import runtime
@@ -64,7 +66,9 @@ def generation_defaults(args: argparse.Namespace, path: Path) -> dict[str, float
     return {k: raw[k] for k in GENERATION_FIELDS if isinstance(raw.get(k), int | float)}
 
 
-def start_engine(args: argparse.Namespace, path: Path) -> tuple[LLMEngine, MemoryPlan]:
+def start_engine(
+    args: argparse.Namespace, path: Path
+) -> tuple[LLMEngine | DataParallelEngine, MemoryPlan, Workers | None]:
     cfg = ModelConfig.from_file(path)
     if args.max_model_len > cfg.max_position_embeddings:
         raise ValueError(
@@ -74,11 +78,16 @@ def start_engine(args: argparse.Namespace, path: Path) -> tuple[LLMEngine, Memor
     device, dtype = placement(args.device, args.dtype)
     quantization = loader_quantization(path, args.quantization)
     config = engine_config(args)
-    plan = plan_memory(path, dtype, quantization, **memory_budget(args, config))  # before any weight loads
+    # Before any weight loads; the weights are one rank's share (rank 0's: every rank's is as large).
+    world, data_parallel = config.world_size, config.data_parallel_size > 1
+    rank0 = ParallelContext(0, world, data_parallel=data_parallel) if world > 1 else None
+    plan = plan_memory(path, dtype, quantization, parallel=rank0, **memory_budget(args, config))
     log.info(plan.line())
     config = dataclasses.replace(config, kv_cache_memory=plan.kv_bytes)
     model, workers = load_ranks(path, dtype, device, config, quantization, rendezvous(args))
-    return LLMEngine(model, load_tokenizer(path), config, workers=workers), plan
+    if config.data_parallel_size > 1:
+        return DataParallelEngine(LLMEngine(model, load_tokenizer(path), config), workers), plan, workers
+    return LLMEngine(model, load_tokenizer(path), config, workers=workers), plan, workers
 
 
 def rendezvous(args: argparse.Namespace) -> Rendezvous:
@@ -90,7 +99,8 @@ def serve(args: argparse.Namespace, sock: socket.socket) -> None:
         sock.close()
         try:
             device, _ = placement(args.device, args.dtype)
-            raise SystemExit(serve_node(args.tensor_parallel_size, rendezvous(args), device.type))
+            world = args.tensor_parallel_size * args.data_parallel_size
+            raise SystemExit(serve_node(world, rendezvous(args), device.type))
         except ValueError as err:
             raise SystemExit(f"error: {err}") from None
     if args.torch_threads:
@@ -100,7 +110,7 @@ def serve(args: argparse.Namespace, sock: socket.socket) -> None:
     sys.setswitchinterval(0.001)
     path = Path(args.model) if args.model else cached_tiny("v41")
     try:
-        engine, plan = start_engine(args, path)
+        engine, plan, workers = start_engine(args, path)
         chat = select_chat_profile(engine.model.cfg.model_type, path, args.chat_encoding)
         names = args.served_model_name or [
             "deepseek-v4.1-tiny" if args.model is None else path.resolve().name
@@ -126,7 +136,6 @@ def serve(args: argparse.Namespace, sock: socket.socket) -> None:
     ])  # fmt: skip
     app = build_app(server, announce, None if args.disable_log_stats else 10.0)
     config = uvicorn.Config(app, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=FLUSH_TIMEOUT)
-    workers = getattr(engine.runner, "workers", None)
     if workers is not None:
         workers.watch(lambda err: _stop_on_failure(server, err))
     GracefulServer(config, server.core, args.shutdown_timeout).run(sockets=[sock])

@@ -3,9 +3,6 @@ engine with chunked prefill, identical caches on both ranks, and a dead worker r
 
 from __future__ import annotations
 
-import os
-import signal
-
 import pytest
 
 from engine.llm import LLM
@@ -14,6 +11,7 @@ from engine.workers import WorkerFailed
 from model.cache import block_layout, cache_groups
 from model.config import ModelConfig
 from model.tiny import cached_tiny
+from tests.parallel.conftest import kill_worker
 
 # Prompts of 40 and 30 tokens span several chunks of 16; the requests share steps, and a cache of a few
 # blocks makes the scheduler preempt (and later recompute) some of them.
@@ -49,9 +47,7 @@ def test_tp2_engine_matches_one_process_and_reports_a_dead_worker(arch: str):
         rank0, rank1 = (report.checksums for report in llm.engine.runner.reports())
         assert rank0 == rank1
         assert len(rank0) >= llm.engine.model.cfg.num_hidden_layers  # a window pool per layer at least
-        worker = llm.workers.processes[0]
-        os.kill(worker.pid, signal.SIGKILL)
-        worker.join(timeout=10)
+        kill_worker(llm)
         with pytest.raises(WorkerFailed, match="rank 1 exited with code -9"):
             llm.generate(PROMPTS[1], GREEDY, use_tqdm=False)
     finally:

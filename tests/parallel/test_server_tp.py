@@ -1,6 +1,7 @@
 """``python -m engine.serve --tensor-parallel-size 2`` on CPU: it serves the tiny V4.1 the greedy tokens
 of one process, and when a worker is killed /health fails and the server exits with an error naming the
-rank."""
+rank. The same server with ``--data-parallel-size 2 --enable-expert-parallel`` serves requests on both
+ranks."""
 
 from __future__ import annotations
 
@@ -54,3 +55,24 @@ def test_tp2_server_serves_then_exits_when_a_worker_dies(tmp_path: Path):
         assert not _healthy(served.url)
         assert proc.wait(timeout=60) == 1
         assert "tensor-parallel rank 1 exited with code -9" in served.log.read_text()
+
+
+def test_dp2_ep_server_serves_one_process_tokens_from_both_ranks(tmp_path: Path):
+    """``n=2``: the two sequences go to the two ranks (each a whole engine) and both stream back the
+    tokens of one process."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    single = LLM(model=cached_tiny("v41"), max_model_len=256).generate(PROMPT, greedy, use_tqdm=False)
+    flags = ["--data-parallel-size", "2", "--enable-expert-parallel", "--torch-threads", "1",
+             "--max-model-len", "256", "--kv-cache-memory", "16MiB", "--log-level", "warning"]  # fmt: skip
+    with serving(tmp_path / "server.log", *flags) as (served, _):
+        reply = served.client().completions.create(
+            model="deepseek-v4.1-tiny",
+            prompt=PROMPT,
+            max_tokens=6,
+            temperature=0.0,
+            n=2,
+            extra_body={"ignore_eos": True},
+        )
+        assert [c.text for c in reply.choices] == [single[0].outputs[0].text] * 2
+        metrics = httpx.get(f"{served.url}/metrics", timeout=5).text
+        assert "vllm:generation_tokens_total" in metrics

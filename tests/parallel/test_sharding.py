@@ -12,6 +12,7 @@ import torch
 from model.checkpoint import build_model, load_model, plan_shard
 from model.config import ModelConfig
 from model.parallel import ParallelContext, TensorSlice, shard_model
+from model.release_like import to_msmodelslim
 from model.tiny import cached_tiny
 
 WORLD = 2
@@ -45,14 +46,39 @@ def test_a_model_that_does_not_divide_is_refused_naming_the_numbers():
 
 @pytest.mark.parametrize(
     ("arch", "fp8", "quantization"),
-    [("v4", False, "auto"), ("v41", False, "auto"), ("v4", True, "dense"), ("v4", True, "auto")],
+    [
+        ("v4", False, "auto"),
+        ("v41", False, "auto"),
+        ("v4", True, "dense"),
+        ("v4", True, "auto"),
+        ("v4", True, "w8a8"),
+    ],  # fmt: skip
 )
 def test_a_rank_loads_exactly_its_slices_of_the_whole_model(
     fp8_tiny, arch: str, fp8: bool, quantization: str
 ):
-    """Rows are read as byte ranges, columns cut after the read; FP8 either dequantised then cut, or kept
-    packed with the block scales of its slice; MXFP4 experts whole."""
-    path = fp8_tiny if fp8 else cached_tiny(arch)
+    """Rows are read as byte ranges, columns cut after the read; FP8 either dequantised then cut, kept
+    packed with the block scales of its slice, or requantised to W8A8 (a row slice takes its rows' scales,
+    a column slice the whole scales); MXFP4 experts whole."""
+    part, plan = _rank_matches_whole(fp8_tiny if fp8 else cached_tiny(arch), quantization)
+    if quantization == "w8a8":  # int8 slices, the scales of the rows they hold
+        assert any(part[n].dtype == torch.int8 for n in plan.slices)
+        assert any(n.endswith(".weight_scale") for n in plan.slices)
+    if fp8 and quantization == "auto":  # kept packed: E4M3 slices with their block scales
+        assert any(part[n].dtype == torch.float8_e4m3fn for n in plan.slices)
+        assert any(n.endswith(".scale") for n in plan.slices)
+
+
+@pytest.mark.parametrize("layout", ["msmodelslim", "msmodelslim-w4a8"])
+def test_a_rank_loads_its_slices_of_a_stored_w8a8_checkpoint(tmp_path, layout: str):
+    """msModelSlim's int8 linears (and int4 routed experts) keep their stored bytes under TP."""
+    part, plan = _rank_matches_whole(to_msmodelslim(cached_tiny("v4"), tmp_path / layout, layout), "auto")
+    assert any(part[n].dtype == torch.int8 for n in plan.slices)
+    assert any(n.endswith(".weight_offset") for n in plan.slices)
+
+
+def _rank_matches_whole(path, quantization: str) -> tuple[dict, object]:
+    """Rank 1's tensors: its slices of the whole model's, the replicated ones equal, no other rank's."""
     whole = load_model(path, quantization=quantization).official_state()
     _, _, plan = plan_shard(path, quantization=quantization, parallel=ParallelContext(1, WORLD))
     part = load_model(path, quantization=quantization, parallel=ParallelContext(1, WORLD)).official_state()
@@ -61,16 +87,7 @@ def test_a_rank_loads_exactly_its_slices_of_the_whole_model(
     for name in set(whole) - set(plan.slices) - plan.elsewhere:
         assert torch.equal(part[name], whole[name]), name
     assert not plan.elsewhere & set(part)
-    if fp8 and quantization == "auto":  # kept packed: E4M3 slices with their block scales
-        assert any(part[n].dtype == torch.float8_e4m3fn for n in plan.slices)
-        assert any(n.endswith(".scale") for n in plan.slices)
-
-
-def test_w8a8_is_refused_under_tensor_parallelism(fp8_tiny):
-    with pytest.raises(
-        ValueError, match=r"tensor_parallel_size=2 does not run W8A8 yet \(quantization=w8a8\)"
-    ):
-        load_model(fp8_tiny, quantization="w8a8", parallel=ParallelContext(0, WORLD))
+    return part, plan
 
 
 def test_an_fp8_slice_off_the_block_boundary_is_refused_naming_it():

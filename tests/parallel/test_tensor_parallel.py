@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from engine.workers import Rendezvous, free_port, init_group
+from engine.workers import Rendezvous, free_port, init_group, resident_bytes
 from model.attention import Indexer
 from model.attention_v41 import Indexer41
 from model.checkpoint import load_model, plan_shard, stored_tensors
@@ -33,8 +33,7 @@ def _split_bytes(path: str, model: torch.nn.Module, context: ParallelContext) ->
     _, stored, plan = plan_shard(path, parallel=context)
     split = set(plan.slices) | {n for n in stored if _EXPERT.search(n)}
     held = model.official_state()
-    resident = sum(held[n].untyped_storage().nbytes() for n in split if n in held)
-    return resident, sum(stored[n].nbytes for n in split)
+    return resident_bytes(held[n] for n in split if n in held), sum(stored[n].nbytes for n in split)
 
 
 def _record_topk(model: torch.nn.Module) -> list[torch.Tensor]:

@@ -1,0 +1,206 @@
+"""Data-parallel attention with expert parallel (design "Parallelism", stage B): every rank is an engine of
+its own (requests, scheduler, KV cache, a whole model but for the routed experts, split over the ranks),
+and the MoE blocks exchange their tokens by all-to-all (``model.parallel.DispatchMoE``).
+
+Rank 0 is the front. It spreads new requests over the ranks (the least loaded first) and keeps a shadow
+of each request another rank runs. Every step it broadcasts the plan (the requests each rank admits,
+the aborted ones) on the workers' CPU group; then every rank steps, and gathers what its requests
+produced. The ranks step in lockstep: one with nothing to compute dispatches zero tokens through its MoE
+blocks (``idle_step``), so every all-to-all finds all ranks. Processes, rendezvous and faults are the
+workers' (``engine.workers``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.llm_engine import Completion, LLMEngine
+from engine.request import FinishReason, InvalidRequest, Request, SamplingParams, Status
+from engine.workers import STEP, RankReport, Workers, next_plan, report
+from model.parallel import idle_step
+
+
+@dataclass(frozen=True)
+class Assigned:
+    """A request the front gives a rank, under the front's id."""
+
+    id: str
+    prompt: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class DataParallelPlan:
+    command: str
+    admitted: dict[int, list[Assigned]] = field(default_factory=dict)  # by rank
+    aborted: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Progress:
+    """What a step added to a request on its rank."""
+
+    id: str
+    tokens: list[int]
+    logprobs: list[dict[int, float]]
+    finish_reason: FinishReason | None
+    stop_text_at: int | None
+    error: str | None
+
+
+def step_rank(engine: LLMEngine, admitted: list[Assigned], aborted: list[str]) -> list[Request]:
+    """One rank's share of a step: admit and abort as planned, then step, or idle through the MoE blocks
+    when nothing was computed (no request, or none the scheduler could place)."""
+    for request in admitted:
+        engine.add_request(request.prompt, request.params, request.id)
+    for request_id in aborted:
+        engine.abort(request_id)
+    updated, computed = [], 0
+    if engine.has_work:
+        updated, computed = engine.step(), engine.step_tokens
+    if not computed:
+        idle_step(engine.model)
+    return updated
+
+
+def follow_front(engine: LLMEngine, control: dist.ProcessGroup, rank: int, world: int) -> None:
+    """A worker rank's loop: rank 0's plans until it says stop; each step's progress goes back to it."""
+    reported: dict[str, int] = {}  # output tokens already sent, by request
+    while (plan := next_plan(control, world, engine.runner)) is not None:
+        aborted = [i for i in plan.aborted if i in engine.requests]
+        updated = step_rank(engine, plan.admitted.get(rank, []), aborted)
+        progress = [_progress(r, reported) for r in updated]
+        for request_id in aborted:  # the front finished them already
+            reported.pop(request_id, None)
+            engine.completion(engine.requests[request_id])
+        for request in (r for r in updated if r.finished):
+            reported.pop(request.id, None)
+            engine.completion(request)
+        dist.all_gather_object([None] * world, progress, group=control)
+
+
+def _progress(request: Request, reported: dict[str, int]) -> Progress:
+    sent = reported.get(request.id, 0)
+    reported[request.id] = len(request.output)
+    logprobs = request.logprobs[sent:] if request.logprobs else []
+    return Progress(request.id, request.output[sent:], logprobs, request.finish_reason,
+                    request.stop_text_at, request.error)  # fmt: skip
+
+
+class ShadowRequest(Request):
+    """The front's copy of a request another rank runs; a logits processor (structured output) cannot
+    travel to that rank yet, so setting one is refused rather than ignored."""
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name == "logits_processor" and value is not None:
+            raise InvalidRequest("logits processors (structured output) do not run under data parallel yet",
+                                 "response_format")  # fmt: skip
+        super().__setattr__(name, value)
+
+
+class DataParallelEngine:
+    """Rank 0's front over ``local`` (rank 0's own engine) and the worker ranks: the part of
+    ``LLMEngine``'s interface that ``LLM`` and the server drive. The server's gauges (scheduler, cache,
+    speculative statistics, step tokens) read rank 0's."""
+
+    def __init__(self, local: LLMEngine, workers: Workers):
+        self.local, self.workers = local, workers
+        self.model, self.tokenizer, self.config = local.model, local.tokenizer, local.config
+        self.scheduler, self.cache, self.runner = local.scheduler, local.cache, local.runner
+        self.spec_stats, self.tuned_files = local.spec_stats, local.tuned_files
+        self.proposer = None  # no speculative decoding under data parallel yet
+        self.shadows: dict[str, tuple[int, Request]] = {}  # requests other ranks run, with their rank
+        self.shadow_text: dict[str, IncrementalDetokenizer] = {}  # their streamed text, decoded here
+        self.plan = DataParallelPlan(STEP)
+        self.turn = 0  # the rank that gets the next request among equally loaded ones
+
+    @property
+    def step_tokens(self) -> int:
+        return self.local.step_tokens
+
+    @property
+    def requests(self) -> dict[str, Request]:
+        return {**self.local.requests, **{i: shadow for i, (_, shadow) in self.shadows.items()}}
+
+    @property
+    def detokenizers(self) -> dict[str, IncrementalDetokenizer]:
+        return {**self.local.detokenizers, **self.shadow_text}
+
+    @property
+    def world(self) -> int:
+        return self.workers.world
+
+    def _load(self, rank: int) -> int:
+        if rank == 0:
+            return sum(not r.finished for r in self.local.requests.values())
+        return sum(r == rank and not s.finished for r, s in self.shadows.values())
+
+    def add_request(
+        self, prompt: list[int], params: SamplingParams, request_id: str | None = None
+    ) -> Request:
+        """Queue the request on the least loaded rank (equals taken in turn), validated here first."""
+        rank = min(range(self.world), key=lambda r: (self._load(r), (r - self.turn) % self.world))
+        self.turn = (rank + 1) % self.world
+        if request_id is not None and (request_id in self.shadows or request_id in self.local.requests):
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if rank == 0:
+            return self.local.add_request(prompt, params, request_id)
+        self.local.validate(prompt, params)  # every rank's engine has the same limits
+        shadow = ShadowRequest(list(prompt), params)
+        if request_id is not None:
+            shadow.id = request_id
+        self.shadows[shadow.id] = (rank, shadow)
+        self.shadow_text[shadow.id] = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+        self.plan.admitted.setdefault(rank, []).append(Assigned(shadow.id, shadow.prompt, params))
+        return shadow
+
+    def abort(self, request_id: str) -> None:
+        if request_id not in self.shadows:
+            self.local.abort(request_id)
+            return
+        rank, shadow = self.shadows[request_id]
+        if shadow.finished:
+            return
+        shadow.status, shadow.finish_reason = Status.FINISHED, FinishReason.ABORT
+        waiting = self.plan.admitted.get(rank, [])
+        if any(a.id == request_id for a in waiting):  # not sent yet: it never reaches its rank
+            waiting[:] = [a for a in waiting if a.id != request_id]
+        else:
+            self.plan.aborted.append(request_id)
+
+    @property
+    def has_work(self) -> bool:
+        return self.local.has_work or any(not s.finished for _, s in self.shadows.values())
+
+    def step(self) -> list[Request]:
+        """One lockstep step of every rank; the requests (any rank's) that produced tokens or finished."""
+        plan, self.plan = self.plan, DataParallelPlan(STEP)
+        with self.workers.guard():
+            self.workers.broadcast(plan)
+            updated = step_rank(self.local, plan.admitted.get(0, []), [])
+            gathered = self.workers.gather([])
+        for progress in (p for ranks in gathered[1:] for p in ranks):
+            _, shadow = self.shadows.get(progress.id, (0, None))
+            if shadow is None or shadow.finished:  # aborted here before the step
+                continue
+            shadow.output += progress.tokens
+            for token in progress.tokens:
+                self.shadow_text[shadow.id].add(token)
+            shadow.logprobs += progress.logprobs
+            shadow.stop_text_at, shadow.error = progress.stop_text_at, progress.error
+            if progress.finish_reason is not None:
+                shadow.status, shadow.finish_reason = Status.FINISHED, progress.finish_reason
+            updated.append(shadow)
+        return updated
+
+    def completion(self, request: Request) -> Completion:
+        if self.shadows.pop(request.id, None) is None:
+            return self.local.completion(request)
+        self.shadow_text.pop(request.id, None)
+        return Completion.of(request, self.local.text(request))
+
+    def reports(self) -> list[RankReport]:
+        return self.workers.reports(report(self.local.runner))
