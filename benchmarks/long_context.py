@@ -1,7 +1,7 @@
 """Tiny V4.1, one request: the prefill time of a long prompt and the decode step time against context.
 
 ``python -m benchmarks.long_context [--prefill 4096] [--contexts 1024 4096 16384] [--baseline REV
-[--baseline-contexts 1024]]``
+[--baseline-contexts 1024]] [--device D] [--dtype T]``
 
 The prompt goes through the model in chunks of ``--chunk`` tokens (as the engine's token budget would
 split it); the decode step is the mean over ``--steps`` one-token calls after a prompt of each context
@@ -9,7 +9,9 @@ length. With sparse attention and the two-level indexer the step should stay nea
 the longest context's step within 1.5x the shortest's. ``--baseline REV`` runs the same measurement,
 on the same checkpoint and in the same run, with the code of git revision ``REV`` (``git archive``
 into a temporary folder; its decode steps only at ``--baseline-contexts``, as an old tree may take
-long to reach a long context), so the speed-up is read off one table. The numbers are for this machine only.
+long to reach a long context), so the speed-up is read off one table. The model runs on ``--device`` in
+``--dtype`` (the baseline too); each timing ends with a read of the last logits, so queued device work
+counts. The numbers are for this machine only.
 """
 
 from __future__ import annotations
@@ -25,36 +27,40 @@ from pathlib import Path
 
 import torch
 
+from model.checkpoint import load_model, placement, placement_arguments
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def measure(path: Path, prefill: int, contexts: list[int], chunk: int, steps: int) -> dict[str, float]:
-    """Seconds to prefill ``prefill`` tokens, and ms per decode step at each context (keys ``ctx<N>``): one
-    request grows through the contexts, each reached by prefilling from the last."""
-    from model.checkpoint import load_model
-
-    model = load_model(path)
+def measure(path: Path, args: argparse.Namespace, contexts: list[int]) -> dict[str, float]:
+    """Seconds to prefill ``args.prefill`` tokens, and ms per decode step at each context (keys ``ctx<N>``):
+    one request grows through the contexts, each reached by prefilling from the last."""
+    device, dtype = placement(args.device, args.dtype)
+    model, prefill, chunk, steps = load_model(path, dtype, device), args.prefill, args.chunk, args.steps
     longest = max([prefill, *contexts])
     gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, model.cfg.vocab_size, (longest + steps,), generator=gen)
+    ids = torch.randint(3, model.cfg.vocab_size, (longest + steps,), generator=gen).to(device)
     result = {}
     with torch.no_grad():
         begin = time.perf_counter()
-        _prefill(model, ids[:prefill], model.new_state(), chunk)
+        _prefill(model, ids[:prefill], model.new_state(), chunk).cpu()
         result["prefill_s"] = time.perf_counter() - begin
         state = model.new_state()
         for context in sorted(contexts):
             _prefill(model, ids[state.num_tokens : context], state, chunk)
             begin = time.perf_counter()
             for t in range(context, context + steps):
-                model(ids[t : t + 1], state, last_only=True)
+                logits = model(ids[t : t + 1], state, last_only=True)
+            logits.cpu()
             result[f"ctx{context}"] = (time.perf_counter() - begin) / steps * 1e3
     return result
 
 
-def _prefill(model, ids: torch.Tensor, state, chunk: int) -> None:
+def _prefill(model, ids: torch.Tensor, state, chunk: int) -> torch.Tensor:
+    """The logits of the last chunk's last token."""
     for start in range(0, ids.shape[0], chunk):
-        model(ids[start : start + chunk], state, last_only=True)
+        logits = model(ids[start : start + chunk], state, last_only=True)
+    return logits
 
 
 def baseline(rev: str, path: Path, args: argparse.Namespace) -> dict[str, float]:
@@ -70,6 +76,7 @@ def baseline(rev: str, path: Path, args: argparse.Namespace) -> dict[str, float]
 
 def _measure_flags(args: argparse.Namespace) -> list[str]:
     flags = ["--prefill", str(args.prefill), "--chunk", str(args.chunk), "--steps", str(args.steps)]
+    flags += ["--dtype", args.dtype, *(["--device", args.device] if args.device else [])]
     return [*flags, "--contexts", *map(str, args.baseline_contexts)]
 
 
@@ -92,16 +99,20 @@ def main() -> None:
         "--baseline-contexts", type=int, nargs="*", default=[1024], help="decode contexts of the baseline"
     )
     parser.add_argument("--measure", type=Path, help=argparse.SUPPRESS)  # the child of --baseline
+    placement_arguments(parser)
     args = parser.parse_args()
     if args.measure:
-        print(json.dumps(measure(args.measure, args.prefill, args.contexts, args.chunk, args.steps)))
+        print(json.dumps(measure(args.measure, args, args.contexts)))
         return
     from model.tiny import write_tiny
 
     with tempfile.TemporaryDirectory() as tmp:
         path = write_tiny(Path(tmp) / "v41", "v41")
-        ours = measure(path, args.prefill, args.contexts, args.chunk, args.steps)
-        print(f"tiny V4.1, one request, chunks of {args.chunk} tokens, {torch.get_num_threads()} threads:")
+        ours = measure(path, args, args.contexts)
+        device, dtype = placement(args.device, args.dtype)
+        where = f"{device.type} {str(dtype).removeprefix('torch.')}"
+        threads = torch.get_num_threads()
+        print(f"tiny V4.1, one request, chunks of {args.chunk} tokens, {threads} threads, {where}:")
         report("this tree", ours, args.contexts, args.prefill)
         sys.stdout.flush()
         if args.baseline:

@@ -1,14 +1,16 @@
 """Offline throughput of the engine next to transformers on the tiny V4 checkpoint.
 
-``python -m benchmarks.offline_throughput [--equal 8 128 64] [--requests 64] [--max-tokens 16]``
+``python -m benchmarks.offline_throughput [--equal 8 128 64] [--requests 64] [--max-tokens 16] [--device D]
+[--dtype T]``
 
 (a) Output tokens/s of ``LLMEngine`` for equal prompts (8 x 128 tokens, 64 new each by default) next to
     transformers' batched ``DeepseekV4ForCausalLM.generate`` over the same prompts (one ``[8, 128]``
     batch: equal lengths need no padding), both greedy; the ratio, and whether the outputs are identical.
 (b) The same for requests of mixed lengths against transformers' best mode for them: one batch per prompt
     length (its V4 cache has no padding support, so prompts of different lengths cannot share a batch).
-Both are measured side by side in one run; the numbers are for this machine only (the V4.1 decode step
-against context is ``benchmarks.long_context``).
+Our engine runs on ``--device`` in ``--dtype``; transformers stays the fp32 CPU reference (outputs in bf16
+need not match it token for token). Both are measured side by side in one run; the numbers are for this
+machine only (the V4.1 decode step against context is ``benchmarks.long_context``).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.request import SamplingParams
-from model.checkpoint import load_model, read_tensors
+from model.checkpoint import load_model, placement, placement_arguments, read_tensors
 from model.hf_names import to_transformers
 from model.tiny import write_tiny
 from model.tokenizer import load_tokenizer
@@ -40,8 +42,14 @@ def equal_prompts(count: int, length: int, vocab: int, seed: int = 0) -> list[li
     return torch.randint(3, vocab, (count, length), generator=gen).tolist()
 
 
-def engine_throughput(path: Path, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
-    engine = LLMEngine(load_model(path), load_tokenizer(path), EngineConfig(max_num_batched_tokens=2048))
+Placement = tuple[torch.device, torch.dtype]
+
+
+def engine_throughput(
+    path: Path, prompts: list[list[int]], max_tokens: int, place: Placement
+) -> tuple[float, list[list[int]]]:
+    model = load_model(path, place[1], place[0])
+    engine = LLMEngine(model, load_tokenizer(path), EngineConfig(max_num_batched_tokens=2048))
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     start = time.perf_counter()
     requests = [engine.add_request(p, params) for p in prompts]
@@ -82,16 +90,17 @@ def transformers_throughput(
     return time.perf_counter() - start, outputs
 
 
-def compare(label: str, path: Path, prompts: list[list[int]], max_tokens: int) -> None:
-    ours, our_out = engine_throughput(path, prompts, max_tokens)
+def compare(label: str, path: Path, prompts: list[list[int]], max_tokens: int, place: Placement) -> None:
+    ours, our_out = engine_throughput(path, prompts, max_tokens, place)
     theirs, their_out = transformers_throughput(path, prompts, max_tokens)
     ours_rate = sum(map(len, our_out)) / ours
     their_rate = sum(map(len, their_out)) / theirs
     batches = len({len(p) for p in prompts})
     mode = f"{batches} batch{'es' if batches > 1 else ''}, one per prompt length"
     print(f"tiny V4, {label}, {max_tokens} new tokens each, greedy:")
-    print(f"  engine        {ours_rate:8.1f} output tok/s ({ours:.1f} s)")
-    print(f"  transformers  {their_rate:8.1f} output tok/s ({theirs:.1f} s, {mode})")
+    where = f"{place[0].type} {str(place[1]).removeprefix('torch.')}"
+    print(f"  engine        {ours_rate:8.1f} output tok/s ({ours:.1f} s, {where})")
+    print(f"  transformers  {their_rate:8.1f} output tok/s ({theirs:.1f} s, {mode}, cpu float32)")
     print(f"  ratio engine / transformers = {ours_rate / their_rate:.2f}")
     same = sum(a == b for a, b in zip(our_out, their_out, strict=True))
     print(f"  outputs {'identical' if same == len(prompts) else 'DIFFER'}: {same} of {len(prompts)} requests")
@@ -102,15 +111,18 @@ def main() -> None:
     parser.add_argument("--equal", type=int, nargs=3, default=[8, 128, 64], metavar=("N", "LEN", "NEW"))
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=16)
+    placement_arguments(parser)
     args = parser.parse_args()
+    place = placement(args.device, args.dtype)
     with tempfile.TemporaryDirectory() as tmp:
         v4 = write_tiny(Path(tmp) / "v4", "v4")
         vocab = load_tokenizer().get_vocab_size()
         count, length, new = args.equal
-        compare(f"(a) {count} prompts x {length} tokens", v4, equal_prompts(count, length, vocab), new)
+        equal = equal_prompts(count, length, vocab)
+        compare(f"(a) {count} prompts x {length} tokens", v4, equal, new, place)
         if args.requests:
             mixed = mixed_prompts(args.requests, vocab)
-            compare(f"(b) {args.requests} mixed-length requests", v4, mixed, args.max_tokens)
+            compare(f"(b) {args.requests} mixed-length requests", v4, mixed, args.max_tokens, place)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.prefix_cache import Checkpoint, Hit, Page, PrefixCache
-from model.cache import CacheGroup, block_layout
+from model.cache import CacheGroup, CacheLayout
 
 
 @dataclass
@@ -38,8 +38,9 @@ class KVCacheManager:
     ):
         if block_size < 1 or num_blocks < 1:
             raise ValueError(f"block_size={block_size} and num_blocks={num_blocks} must be positive")
+        self.layout = CacheLayout.of(groups, block_size)  # the pools view the blocks with this same layout
         self.groups, self.block_size, self.num_blocks = groups, block_size, num_blocks
-        self.block_bytes, self.slots_per_block = block_layout(groups, block_size)
+        self.block_bytes, self.slots_per_block = self.layout.block_bytes, self.layout.slots_per_block
         self.free: list[int] = list(range(num_blocks - 1, -1, -1))
         self.tables: dict[str, dict[str, BlockTable]] = {}  # request id -> group name -> table
         self.prefix = prefix
@@ -59,7 +60,7 @@ class KVCacheManager:
         prefix: PrefixCache | None = None,
     ) -> KVCacheManager:
         """As many blocks as ``memory_bytes`` holds."""
-        block_bytes, _ = block_layout(groups, block_size)
+        block_bytes = CacheLayout.of(groups, block_size).block_bytes
         if memory_bytes < block_bytes:
             raise ValueError(f"kv cache memory {memory_bytes} B is below one block ({block_bytes} B)")
         return cls(groups, block_size, memory_bytes // block_bytes, prefix)

@@ -30,9 +30,7 @@ class ModelRunner:
         self.model, self.cache = model, cache
         weight = model.embed.weight
         self.device = weight.device
-        self.pools = KVPools(model.cfg, cache.block_size, cache.num_blocks, weight.dtype, weight.device)
-        if self.pools.slots_per_block != cache.slots_per_block:
-            raise ValueError("the KV pools and the cache manager disagree on the block layout")
+        self.pools = KVPools(model.cfg, cache.layout, cache.num_blocks, weight.dtype, weight.device)
         self.seqs: dict[str, SeqCache] = {}
 
     @torch.no_grad()

@@ -71,6 +71,27 @@ def block_layout(groups: tuple[CacheGroup, ...], block_size: int) -> tuple[int, 
     return block_size * row * unit, fit(block_size * row)
 
 
+@dataclass(frozen=True)
+class CacheLayout:
+    """How a block splits into every group's slots: computed once, shared by the cache manager (which
+    counts blocks) and the pools (which view them), so the two cannot disagree."""
+
+    groups: tuple[CacheGroup, ...]
+    block_size: int
+    block_bytes: int
+    slots_per_block: dict[str, int]
+
+    @classmethod
+    def of(cls, groups: tuple[CacheGroup, ...], block_size: int) -> CacheLayout:
+        if block_size < 1:
+            raise ValueError(f"block_size: {block_size} must be >= 1")
+        return cls(groups, block_size, *block_layout(groups, block_size))
+
+    @classmethod
+    def for_model(cls, cfg: ModelConfig, dtype: torch.dtype, block_size: int) -> CacheLayout:
+        return cls.of(cache_groups(cfg, torch.empty(0, dtype=dtype).element_size()), block_size)
+
+
 def group_name(ratio: int) -> str:
     return "window" if ratio == 0 else f"compressed_r{ratio}"
 
@@ -79,12 +100,14 @@ class KVPools:
     """Every layer's pools as views over one ``[num_blocks, block_bytes]`` buffer."""
 
     def __init__(
-        self, cfg: ModelConfig, block_size: int, num_blocks: int, dtype: torch.dtype, device: torch.device
+        self, cfg: ModelConfig, layout: CacheLayout, num_blocks: int, dtype: torch.dtype, device: torch.device
     ):
-        self.cfg, self.block_size, self.dtype, self.device = cfg, block_size, dtype, device
         elt = torch.empty(0, dtype=dtype).element_size()
-        self.groups = cache_groups(cfg, elt)
-        self.block_bytes, self.slots_per_block = block_layout(self.groups, block_size)
+        if layout.groups != cache_groups(cfg, elt):
+            raise ValueError(f"layout: groups {layout.groups} are not this model's groups in {dtype}")
+        self.cfg, self.layout, self.dtype, self.device = cfg, layout, dtype, device
+        self.groups, self.block_size = layout.groups, layout.block_size
+        self.block_bytes, self.slots_per_block = layout.block_bytes, layout.slots_per_block
         self._build(torch.zeros(num_blocks, self.block_bytes // elt, dtype=dtype, device=device))
 
     def grow(self, num_blocks: int) -> None:
@@ -315,7 +338,7 @@ class PrivateStore:
     """Blocks for a model used on its own: tables grow on demand and so does the buffer."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, block_size: int = 64):
-        self.pools = KVPools(cfg, block_size, 16, dtype, device)
+        self.pools = KVPools(cfg, CacheLayout.for_model(cfg, dtype, block_size), 16, dtype, device)
         self.next_block = 0
 
     def reserve(self, seq: SeqCache, num_tokens: int) -> None:

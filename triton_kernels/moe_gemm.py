@@ -179,14 +179,15 @@ def moe_gemm_ref(
     t, k = topk_ids.shape
     routing = sort_by_expert(topk_ids, topk_weights, experts.num_experts)
     y = torch.zeros((routing.tokens.numel(), x.shape[1]), dtype=torch.float32, device=x.device)
+    rows, weights = x[routing.tokens].float(), routing.weights[:, None]  # gathered once, sliced per expert
     bounds = routing.offsets.tolist()  # the reference runs where the tensors live in host memory
     for e, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
         if lo == hi:
             continue
-        xe = x[routing.tokens[lo:hi]].float()
+        xe = rows[lo:hi]
         gate, up = quant_matmul_ref(xe, experts.w1.expert(e)), quant_matmul_ref(xe, experts.w3.expert(e))
         down = quant_matmul_ref(swiglu(gate, up, experts.swiglu_limit), experts.w2.expert(e))
-        y[lo:hi] = down * routing.weights[lo:hi, None]
+        torch.mul(down, weights[lo:hi], out=y[lo:hi])
     return y[routing.inverse].view(t, k, x.shape[1]).sum(1).to(x.dtype)
 
 

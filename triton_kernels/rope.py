@@ -11,7 +11,8 @@ Contract
     ``inverse=True`` (the attention output). The leading NoPE channels are copied unchanged.
     Positions are not range-checked (that would synchronise the device); the fp32 angle follows
     transformers exactly for positions below 2**24. cos/sin stay fp32 for bf16 input too, where
-    transformers rounds them to bf16 first.
+    transformers rounds them to bf16 first. The reference computes the cos/sin of a (positions,
+    inv_freq) pair once and reuses them while both tensors live unchanged (one step's layers share them).
 
 Kernel
     One task is ``BLOCK_R`` (token, head) rows: the NoPE part is copied in ``BLOCK_D`` sub-tiles, the
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from triton_kernels import runtime, tuning
 from triton_kernels.spec import TuneConfig, Variant
@@ -120,17 +122,38 @@ def _validate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) 
 def apply_rope_ref(
     x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False
 ) -> torch.Tensor:
-    rope_dim = 2 * inv_freq.numel()
-    angle = positions.float()[:, None] * inv_freq[None, :]
-    cos, sin = angle.cos(), angle.sin()
-    if inverse:
-        sin = -sin
+    cos, sin = _angles(positions, inv_freq)
     if x.dim() == 3:
         cos, sin = cos[:, None], sin[:, None]
-    rope = x[..., x.shape[-1] - rope_dim :].float()
-    even, odd = rope[..., 0::2], rope[..., 1::2]
-    rotated = torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1).flatten(-2)
-    return torch.cat((x[..., : x.shape[-1] - rope_dim], rotated.to(x.dtype)), dim=-1)
+    nope = x.shape[-1] - cos.shape[-1]
+    rope = x[..., nope:].float()
+    # Pair (even, odd) -> (even·cos - odd·sin, odd·cos + even·sin), with sin signed per channel.
+    swapped = rope.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+    rotated = rope * cos - swapped * sin if inverse else rope * cos + swapped * sin
+    return torch.cat((x[..., :nope], rotated.to(x.dtype)), dim=-1)
+
+
+# positions -> id(inv_freq) -> (inv_freq, both versions, cos, sin); an entry lives as long as its positions.
+_ANGLES: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+
+
+def _angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos [T, 2P]`` repeated per pair and ``sin [T, 2P]`` negated on the even channels.
+
+    A step rotates queries, keys and the attention output of every layer at the same positions tensor:
+    its angles are computed once per table and reused while neither tensor changes.
+    """
+    tables = _ANGLES.setdefault(positions, {})
+    versions = (positions._version, inv_freq._version)
+    hit = tables.get(id(inv_freq))  # the entry holds inv_freq, so its id is not reused meanwhile
+    if hit is not None and hit[1] == versions:
+        return hit[2], hit[3]
+    angle = positions.float()[:, None] * inv_freq[None, :]
+    cos, sin = angle.cos(), angle.sin()
+    cos2 = torch.stack((cos, cos), dim=-1).flatten(-2)
+    sin2 = torch.stack((-sin, sin), dim=-1).flatten(-2)
+    tables[id(inv_freq)] = (inv_freq, versions, cos2, sin2)
+    return cos2, sin2
 
 
 @triton.jit(do_not_specialize=["R"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model.cache import Batch, CacheGroup, KVPools, SeqCache, block_layout, group_name
+from model.cache import Batch, CacheGroup, CacheLayout, KVPools, SeqCache, block_layout, group_name
 from model.config import ModelConfig
 from model.plan import build_plan
 from model.tiny import ARCHS, toy_config
@@ -30,7 +30,8 @@ def shares_the_buffer(pools: KVPools, pool: torch.Tensor) -> bool:
 @pytest.mark.parametrize("block_size", [64, 16])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_pools_are_views_of_the_buffer_and_survive_grow(arch, block_size, dtype):
-    pools = KVPools(ModelConfig.from_dict(toy_config(arch)), block_size, 2, dtype, torch.device("cpu"))
+    cfg = ModelConfig.from_dict(toy_config(arch))
+    pools = KVPools(cfg, CacheLayout.for_model(cfg, dtype, block_size), 2, dtype, torch.device("cpu"))
     generator = torch.Generator().manual_seed(0)
     for name in pools_by_group(pools):
         group = pools_by_group(pools)[name]
@@ -66,7 +67,8 @@ def test_block_layout_tiles_every_block_with_every_group(widths, block_size):
 
 @pytest.mark.parametrize("bad", [-2, 4])
 def test_batch_refuses_block_ids_outside_the_pools(bad):
-    pools = KVPools(ModelConfig.from_dict(toy_config("v4")), 16, 4, torch.float32, torch.device("cpu"))
+    cfg = ModelConfig.from_dict(toy_config("v4"))
+    pools = KVPools(cfg, CacheLayout.for_model(cfg, torch.float32, 16), 4, torch.float32, torch.device("cpu"))
     tables = {g.name: [0] for g in pools.groups}
     tables["window"] = [1, bad]
     with pytest.raises(ValueError, match=r"window block table: ids \[.*\] must lie in \[-1, 4\)"):
@@ -75,3 +77,12 @@ def test_batch_refuses_block_ids_outside_the_pools(bad):
     assert Batch.build(pools, [SeqCache(tables)], [20], torch.device("cpu")).tables["window"].tolist() == [
         [1, 3]
     ]
+
+
+def test_pools_refuse_a_layout_computed_for_other_groups():
+    cfg = ModelConfig.from_dict(toy_config("v4"))
+    bf16_layout = CacheLayout.for_model(cfg, torch.bfloat16, 16)
+    with pytest.raises(ValueError, match="not this model's groups in torch.float32"):
+        KVPools(cfg, bf16_layout, 2, torch.float32, torch.device("cpu"))
+    pools = KVPools(cfg, bf16_layout, 2, torch.bfloat16, torch.device("cpu"))
+    assert pools.slots_per_block is bf16_layout.slots_per_block
