@@ -27,16 +27,22 @@ from pathlib import Path
 
 import torch
 
-from model.checkpoint import load_model, placement, placement_arguments
-
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def measure(path: Path, args: argparse.Namespace, contexts: list[int]) -> dict[str, float]:
     """Seconds to prefill ``args.prefill`` tokens, and ms per decode step at each context (keys ``ctx<N>``):
     one request grows through the contexts, each reached by prefilling from the last."""
-    device, dtype = placement(args.device, args.dtype)
-    model, prefill, chunk, steps = load_model(path, dtype, device), args.prefill, args.chunk, args.steps
+    from model.checkpoint import load_model  # here: a --baseline child imports an old tree's modules
+
+    if args.measure and args.device is None and args.dtype == "auto":
+        device, model = torch.device("cpu"), load_model(path)  # any tree's signature and defaults
+    else:
+        from model.checkpoint import placement
+
+        device, dtype = placement(args.device, args.dtype)
+        model = load_model(path, dtype, device)
+    prefill, chunk, steps = args.prefill, args.chunk, args.steps
     longest = max([prefill, *contexts])
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(3, model.cfg.vocab_size, (longest + steps,), generator=gen).to(device)
@@ -76,7 +82,8 @@ def baseline(rev: str, path: Path, args: argparse.Namespace) -> dict[str, float]
 
 def _measure_flags(args: argparse.Namespace) -> list[str]:
     flags = ["--prefill", str(args.prefill), "--chunk", str(args.chunk), "--steps", str(args.steps)]
-    flags += ["--dtype", args.dtype, *(["--device", args.device] if args.device else [])]
+    flags += ["--dtype", args.dtype] if args.dtype != "auto" else []  # an old tree may not take them
+    flags += ["--device", args.device] if args.device else []
     return [*flags, "--contexts", *map(str, args.baseline_contexts)]
 
 
@@ -99,11 +106,17 @@ def main() -> None:
         "--baseline-contexts", type=int, nargs="*", default=[1024], help="decode contexts of the baseline"
     )
     parser.add_argument("--measure", type=Path, help=argparse.SUPPRESS)  # the child of --baseline
-    placement_arguments(parser)
+    # Declared here rather than by model.checkpoint.placement_arguments: the --baseline child runs this
+    # script against an old tree's modules, which may not have it.
+    parser.add_argument("--device", help="npu, cuda or cpu (default: the accelerator present, else cpu)")
+    parser.add_argument(
+        "--dtype", default="auto", help="auto (bf16 on npu / cuda, fp32 on cpu), bfloat16, float32"
+    )
     args = parser.parse_args()
     if args.measure:
         print(json.dumps(measure(args.measure, args, args.contexts)))
         return
+    from model.checkpoint import placement
     from model.tiny import write_tiny
 
     with tempfile.TemporaryDirectory() as tmp:
