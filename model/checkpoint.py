@@ -31,8 +31,7 @@ from model.config import ModelConfig
 from model.deepseek_v4 import DeepseekV4
 from model.deepseek_v41 import DeepseekV41
 from model.engram import Engram, compressed_token_map
-from model.moe import MoE
-from model.parallel import ExpertParallelMoE, ParallelContext, ShardPlan, connect, shard_model
+from model.parallel import ParallelContext, ShardPlan, connect, replace_module, shard_model
 from model.quant import dequantize_fp4, dequantize_fp8
 from model.quant_linear import BIAS_COLUMNS, DenseLinear, Fp8Linear, Int8Linear, Mxfp4Linear, StackedExperts
 from model.shards import StoredTensor, read_headers
@@ -332,10 +331,12 @@ def pack_linears(
     if quantization == "dense":
         return
     for prefix, module in list(model.named_modules()):
-        if isinstance(module, (MoE, ExpertParallelMoE)):
-            fmt, columns = expert_format(f"{prefix}.experts", stored, block)
+        if isinstance(module, StackedExperts):  # a MoE layer's routed experts, or one rank's share
+            fmt, columns = expert_format(prefix, stored, block)
             if fmt != DENSE:
-                module.pack_experts(INT8 if quantization == "w8a8" else fmt, block or 1, columns)
+                replace_module(
+                    model, prefix, module.pack(INT8 if quantization == "w8a8" else fmt, block or 1, columns)
+                )
         if isinstance(module, Engram) and stored_format(f"{prefix}.embed.weight", stored) == FP8:
             module.pack_table(block)  # a lookup, not a GEMM: kept FP8 under w8a8 too
     for prefix, module in list(model.named_modules()):
@@ -359,8 +360,7 @@ def pack_linears(
                 shard.slices[sibling(name, SCALE)] = shard.slices[name].blocks(block, name)
         else:
             continue  # FP8 with per-row scales on a linear: dequantised at load
-        parent, _, leaf = prefix.rpartition(".")
-        setattr(model.get_submodule(parent), leaf, packed)
+        replace_module(model, prefix, packed)
 
 
 def _block_scaled(name: str, stored: dict[str, StoredTensor], block: int | None) -> bool:

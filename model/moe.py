@@ -13,7 +13,7 @@ from torch import nn
 from model.config import ModelConfig
 from model.layers import linear
 from model.plan import LayerPlan
-from model.quant_linear import BIAS_COLUMNS, StackedExperts
+from model.quant_linear import StackedExperts
 
 
 class Expert(nn.Module):
@@ -70,7 +70,3 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             out += self.shared_experts(x).float()
         return out.to(x.dtype)
-
-    def pack_experts(self, fmt: str, block: int = 1, bias_columns: tuple[int, ...] = BIAS_COLUMNS) -> None:
-        """Hold the routed experts in the stored format ``fmt`` (the loader calls it on ``meta``)."""
-        self.experts = StackedExperts(*self.shape, fmt, block, bias_columns)

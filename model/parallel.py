@@ -161,7 +161,7 @@ class LocalExperts(StackedExperts):
         return super().forward(x, picked - self.first, weights)
 
     def pack(self, fmt: str, block: int = 1, bias_columns: tuple[int, ...] = BIAS_COLUMNS) -> LocalExperts:
-        return LocalExperts(self.first, self.w1.shape[0], self.shape, fmt, block, bias_columns)
+        return LocalExperts(self.first, self.dims[0], self.shape, fmt, block, bias_columns)
 
 
 class ExpertParallelMoE(nn.Module):
@@ -177,10 +177,6 @@ class ExpertParallelMoE(nn.Module):
         self.gate, self.context = gate, context
         self.experts = LocalExperts(experts.start, len(experts), shape)
         self.shared_experts = shared
-
-    def pack_experts(self, fmt: str, block: int = 1, bias_columns: tuple[int, ...] = BIAS_COLUMNS) -> None:
-        """Hold this rank's routed experts in the stored format ``fmt`` (the loader calls it on ``meta``)."""
-        self.experts = self.experts.pack(fmt, block, bias_columns)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         picked, weights = self.gate(x, ids)
@@ -273,13 +269,13 @@ def shard_model(model: nn.Module, context: ParallelContext) -> ShardPlan:
         if context.data_parallel:
             for prefix, module in list(model.named_modules()):
                 if isinstance(module, MoE):
-                    _replace(model, prefix, _dispatch_moe(prefix, module, plan))
+                    replace_module(model, prefix, _dispatch_moe(prefix, module, plan))
             return plan
         for prefix, module in list(model.named_modules()):
             if isinstance(module, SharedKVAttention):
                 _shard_attention(prefix, module, plan)
             elif isinstance(module, MoE):
-                _replace(model, prefix, _shard_moe(prefix, module, plan))
+                replace_module(model, prefix, _shard_moe(prefix, module, plan))
         start, stop = _split(plan, "embed.weight", 0, cfg.vocab_size, "vocab_size")
         model.embed = VocabParallelEmbedding(start, stop, cfg.hidden_size, context)
         _split(plan, "head.weight", 0, cfg.vocab_size, "vocab_size")
@@ -338,6 +334,7 @@ def _shard_moe(prefix: str, moe: MoE, plan: ShardPlan) -> ExpertParallelMoE:
     return ExpertParallelMoE(moe.gate, owned, shared, moe.shape, plan.context)
 
 
-def _replace(model: nn.Module, prefix: str, module: nn.Module) -> None:
+def replace_module(model: nn.Module, prefix: str, module: nn.Module) -> None:
+    """Put ``module`` where ``model`` holds the submodule named ``prefix``."""
     parent, _, leaf = prefix.rpartition(".")
     setattr(model.get_submodule(parent), leaf, module)

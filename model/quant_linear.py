@@ -161,7 +161,7 @@ class StackedExperts(nn.Module):
     def __init__(self, experts: int, hidden: int, inter: int, limit: float | None, fmt: str = DENSE,
                  block: int = 1, bias_columns: tuple[int, ...] = BIAS_COLUMNS):  # fmt: skip
         super().__init__()
-        self.limit, self.format, self.block = limit, fmt, block
+        self.dims, self.limit, self.format, self.block = (experts, hidden, inter), limit, fmt, block
         shapes = ((inter, hidden), (hidden, inter), (inter, hidden))
         for name, (out, inp), columns in zip(self.PROJECTIONS, shapes, bias_columns, strict=True):
             for suffix, (shape, dtype) in _expert_tensors(fmt, out, inp, block, columns).items():
@@ -170,6 +170,10 @@ class StackedExperts(nn.Module):
                     self.register_parameter(name, nn.Parameter(t))
                 else:
                     self.register_buffer(self._attribute(name, suffix), t)
+
+    def pack(self, fmt: str, block: int = 1, bias_columns: tuple[int, ...] = BIAS_COLUMNS) -> StackedExperts:
+        """The same experts held in the stored format ``fmt`` (the loader swaps it in on ``meta``)."""
+        return StackedExperts(*self.dims, self.limit, fmt, block, bias_columns)
 
     @staticmethod
     def _attribute(projection: str, suffix: str) -> str:
