@@ -15,11 +15,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
+from tokenizers import Tokenizer
 
+from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.llm_engine import Completion, LLMEngine
 from engine.request import FinishReason, InvalidRequest, Request, SamplingParams, Status
 from engine.workers import STEP, RankReport, Workers, next_plan, report
+from model.causal_lm import CausalLM
 from model.parallel import idle_step
 
 
@@ -204,3 +207,14 @@ class DataParallelEngine:
 
     def reports(self) -> list[RankReport]:
         return self.workers.reports(report(self.local.runner))
+
+
+def build_engine(
+    model: CausalLM, tokenizer: Tokenizer, config: EngineConfig, workers: Workers | None
+) -> LLMEngine | DataParallelEngine:
+    """Rank 0's engine over ``workers``: the data-parallel front over its own engine, or one engine that
+    runs every step with the tensor-parallel workers (none: a single process)."""
+    if config.data_parallel_size > 1:
+        assert workers is not None
+        return DataParallelEngine(LLMEngine(model, tokenizer, config), workers)
+    return LLMEngine(model, tokenizer, config, workers=workers)

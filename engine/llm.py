@@ -18,8 +18,7 @@ import torch
 from tqdm import tqdm
 
 from engine.config import SPECULATIVE_ALIASES, EngineConfig
-from engine.data_parallel import DataParallelEngine
-from engine.llm_engine import LLMEngine
+from engine.data_parallel import build_engine
 from engine.request import Request, SamplingParams
 from engine.workers import load_ranks
 from model.chat import encode_messages
@@ -100,11 +99,7 @@ class LLM:
         if self.workers:
             weakref.finalize(self, self.workers.close)
         try:
-            if config.data_parallel_size > 1:
-                local = LLMEngine(built, load_tokenizer(model), config)
-                self.engine = DataParallelEngine(local, self.workers)
-            else:
-                self.engine = LLMEngine(built, load_tokenizer(model), config, workers=self.workers)
+            self.engine = build_engine(built, load_tokenizer(model), config, self.workers)
         except BaseException:
             self.close()
             raise

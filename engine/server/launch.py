@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import uvicorn
 
-from engine.data_parallel import DataParallelEngine
+from engine.data_parallel import DataParallelEngine, build_engine
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.memory_plan import MemoryPlan, plan_memory
 from engine.server.api import MAX_REQUEST_BYTES, OpenAIServer
@@ -85,9 +85,7 @@ def start_engine(
     log.info(plan.line())
     config = dataclasses.replace(config, kv_cache_memory=plan.kv_bytes)
     model, workers = load_ranks(path, dtype, device, config, quantization, rendezvous(args))
-    if config.data_parallel_size > 1:
-        return DataParallelEngine(LLMEngine(model, load_tokenizer(path), config), workers), plan, workers
-    return LLMEngine(model, load_tokenizer(path), config, workers=workers), plan, workers
+    return build_engine(model, load_tokenizer(path), config, workers), plan, workers
 
 
 def rendezvous(args: argparse.Namespace) -> Rendezvous:
@@ -99,8 +97,7 @@ def serve(args: argparse.Namespace, sock: socket.socket) -> None:
         sock.close()
         try:
             device, _ = placement(args.device, args.dtype)
-            world = args.tensor_parallel_size * args.data_parallel_size
-            raise SystemExit(serve_node(world, rendezvous(args), device.type))
+            raise SystemExit(serve_node(engine_config(args).world_size, rendezvous(args), device.type))
         except ValueError as err:
             raise SystemExit(f"error: {err}") from None
     if args.torch_threads:
