@@ -24,6 +24,7 @@ from torch import nn
 from model.quant_linear import DenseLinear
 from triton_kernels.engram import HashTables, engram_gather, engram_hash, hash_tables
 from triton_kernels.quant_matmul import decode_e4m3, decode_e8m0
+from triton_kernels.safe_access import take_rows
 
 _SEED_PRIME = 10007
 _INT64_MAX = 2**63 - 1
@@ -281,11 +282,12 @@ class Fp8Table(nn.Module):
         self.register_buffer("scale", torch.empty(rows, -(-dim // block), dtype=torch.float8_e8m0fnu))
 
     def lookup(self, ids: torch.Tensor, device: torch.device) -> torch.Tensor:
-        flat, dim = ids.reshape(-1).to(self.weight.device, torch.int64), self.weight.shape[1]
-        codes = self.weight.view(torch.uint8).index_select(0, flat).to(device, non_blocking=True)
-        scales = self.scale.view(torch.uint8).index_select(0, flat).to(device, non_blocking=True)
-        rows = decode_e4m3(codes) * decode_e8m0(scales).repeat_interleave(self.block, 1)[:, :dim]
-        return rows.view(*ids.shape, dim)
+        ids = ids.to(self.weight.device, torch.int64)
+        codes = take_rows(self.weight.view(torch.uint8), ids).to(device, non_blocking=True)
+        scales = take_rows(self.scale.view(torch.uint8), ids).to(device, non_blocking=True)
+        return (
+            decode_e4m3(codes) * decode_e8m0(scales).repeat_interleave(self.block, -1)[..., : codes.shape[-1]]
+        )
 
 
 class Engram(nn.Module):

@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 
 from triton_kernels import runtime, tuning
+from triton_kernels.safe_access import take_rows
 from triton_kernels.spec import TuneConfig, Variant
 
 _TABLE_DTYPES = (torch.float32, torch.bfloat16)
@@ -264,7 +265,7 @@ def _validate_gather(table: torch.Tensor, ids: torch.Tensor, device: torch.devic
 
 
 def engram_gather_ref(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    return table.index_select(0, ids.reshape(-1).long()).view(*ids.shape, table.shape[1])
+    return take_rows(table, ids.long())
 
 
 @triton.jit(do_not_specialize=["R"])
