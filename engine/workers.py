@@ -297,6 +297,11 @@ class Workers:
             if process.is_alive():
                 process.kill()
                 process.join(timeout=5.0)
+        if self.failed is None and dist.is_initialized():
+            # A rank on another machine cannot be joined: rank 0 keeps its end of the group open until each
+            # rank says it has left, as joining does here (closing first can abort a rank still leaving).
+            with contextlib.suppress(Exception):
+                self.store.wait([f"left/{rank}" for rank in range(1, self.world)], timedelta(seconds=10))
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -416,6 +421,7 @@ def worker_main(rank: int, world: int, meet: Rendezvous, device: str, timeout_s:
         _follow(runner, plan)
         runner.run(plan.chunks)
     dist.destroy_process_group()
+    store.set(f"left/{rank}", "")
 
 
 def next_plan(control: dist.ProcessGroup, world: int, runner: ModelRunner) -> Any:
