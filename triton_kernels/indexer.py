@@ -573,14 +573,14 @@ def _config(block_n: int, operand_bytes: int, block_s: int = 0, multibuffer: boo
     params, ub = {"BLOCK_N": block_n}, _score_ub(block_n, operand_bytes)
     if block_s:  # the top-k kernel: selection tiles, plus the candidate source's block-maximum tiles
         params["BLOCK_S"] = block_s
-        ub += topk.select_ub(block_s) + 4 * 4 * block_s
+        ub += topk.select_ub(block_s) + 4 * 8 * block_s
     return TuneConfig(params, ub, multibuffer)
 
 
 _LOGITS_FLOAT = (_config(16, 4), _config(64, 4, multibuffer=False))
 _LOGITS_INT8 = (_config(32, 1), _config(128, 1, multibuffer=False))
-_TOPK_FLOAT = (_config(16, 4, 512), _config(32, 4, 1024, multibuffer=False))
-_TOPK_INT8 = (_config(32, 1, 512), _config(64, 1, 1024, multibuffer=False))
+_TOPK_FLOAT = (_config(16, 4, 512, multibuffer=False), _config(32, 4, 512, multibuffer=False))
+_TOPK_INT8 = (_config(32, 1, 512, multibuffer=False), _config(64, 1, 512, multibuffer=False))
 
 _OPERANDS = ("q_ptr", "qs_ptr", "w_ptr", "k_ptr", "ks_ptr")
 _INDEX = {"table_ptr": "*i32", "req_ptr": "*i32", "vis_ptr": "*i32"}

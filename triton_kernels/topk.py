@@ -15,12 +15,14 @@ Contract
     kept block ids ascending, ``-1`` padded; a block scoring ``-inf`` is never kept.
 
 Kernels
-    ``_select_row`` (shared with the fused indexer) selects in one program per row, without a sort:
-    scores map to order-preserving int32 keys; four passes of an 8-bit histogram (``tl.histogram``)
-    over the keys still tied with the threshold prefix narrow down the k-th largest key, stopping as
-    soon as a whole bin is taken; a last pass emits, in position order, every key above the threshold
-    and the first keys equal to it, so the output is sorted without sorting. Emission compacts with a
-    prefix sum and a masked scattered store (the one scatter the compaction needs).
+    ``_select_row`` (shared with the fused indexer) selects in one program per row, without a sort of
+    the row and on the vector unit: no histogram, no prefix sum and no ordered integer compare beyond
+    the range masks of its loads and stores (those run on Ascend's scalar unit). Scores map to
+    order-preserving int32 keys; a threshold search fixes ``BITS`` key bits a pass, counting with fp32
+    compares how many scores reach each of its ``FAN`` candidate thresholds, and stops at a threshold
+    exactly ``k`` scores reach. A last pass emits, in position order, every score above the threshold
+    and the first ties (a partial tile's tie lanes fp32-sorted to find the cut), so the output is
+    sorted without sorting: a picking tile's lane ids are fp32-sorted and stored densely.
     ``_topk_kernel``: one task is a row. ``_candidate_kernel``: one task is a row; block maxima go to
     a per-program scratch row, then ``_select_row`` picks the blocks.
 """
@@ -37,6 +39,9 @@ from triton_kernels.spec import TuneConfig, Variant
 MAX_K = 2048
 MAX_CANDIDATE_BLOCK = 256  # positions per candidate block: one block-maximum tile holds whole blocks
 _MAX_NUMEL = 2**31 - 1  # offsets are int32 inside the kernels
+_BITS = 2  # key bits a threshold pass fixes: FAN candidates counted at once, a [BLOCK_S, FAN] compare
+_FAN = 1 << _BITS
+BITS, FAN = tl.constexpr(_BITS), tl.constexpr(_FAN)
 
 
 def topk_positions(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -134,22 +139,30 @@ def candidate_blocks_ref(
 
 
 @triton.jit
-def _order_key(x):
-    """int32 keys ordered like the fp32 scores (negative floats have their magnitude bits flipped)."""
-    bits = x.to(tl.int32, bitcast=True)
-    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-    return tl.where(x == 0.0, 0, key)  # -0.0 and +0.0 tie
+def _from_order_key(key):
+    """The fp32 scores whose int32 order keys (ordered like the scores: negative floats have their
+    magnitude bits flipped, a flip that is its own inverse) are ``key``; keys below the lowest finite
+    score's (NaN patterns) are raised to it."""
+    key = tl.maximum(key, -2139095040)  # the key of -FLT_MAX
+    bits = key ^ ((key >> 31) & 0x7FFFFFFF)
+    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _pick_bin(hist, need):
-    """The highest bin whose suffix count reaches ``need``; returns (bin, its count, need left inside it)."""
-    bins = tl.arange(0, 256)
-    at_or_above = tl.sum(hist) - tl.cumsum(hist, axis=0) + hist
-    b = tl.sum((at_or_above >= need).to(tl.int32)) - 1
-    count = tl.sum(tl.where(bins == b, hist, 0))
-    above = tl.sum(tl.where(bins > b, hist, 0))
-    return b, count, need - above
+def _row_tile(src, i0, n, BLOCK_S: tl.constexpr):
+    """``src[i0 : i0 + BLOCK_S]``, ``-inf`` from ``n`` on (a range mask: Ascend keeps it on the copy)."""
+    offs = tl.arange(0, BLOCK_S)
+    return tl.load(src + i0 + offs, mask=offs < n - i0, other=float("-inf"))
+
+
+@triton.jit
+def _count_at_least(src, n, thr, BLOCK_S: tl.constexpr):
+    """``[FAN]``: how many of ``src[0:n]`` are ``>= thr[j]``, with fp32 compares and sums."""
+    count = tl.zeros([FAN], dtype=tl.int32)
+    for i0 in range(0, n, BLOCK_S):
+        x = _row_tile(src, i0, n, BLOCK_S)
+        count += tl.sum((x[:, None] >= thr[None, :]).to(tl.int32), axis=0)
+    return count
 
 
 @triton.jit
@@ -160,55 +173,45 @@ def _select_row(src, n, k, out, pos_map, MAP_BLOCK: tl.constexpr, BLOCK_S: tl.co
     ``pos_map[i // MAP_BLOCK] * MAP_BLOCK + i % MAP_BLOCK`` (slots of candidate blocks).
     """
     offs = tl.arange(0, BLOCK_S)
-    hist = tl.zeros([256], dtype=tl.int32)
-    skipped = 0
-    for i0 in range(0, n, BLOCK_S):
-        x = tl.load(src + i0 + offs, mask=i0 + offs < n, other=float("-inf"))
-        live = x > float("-inf")
-        # tl.histogram of triton-ascend 3.2 takes no mask: dead lanes count in bin 0 and are taken out.
-        hist += tl.histogram(tl.where(live, (_order_key(x) >> 24) + 128, 0), 256)
-        skipped += BLOCK_S - tl.sum(live.to(tl.int32))
-    hist -= tl.where(tl.arange(0, 256) == 0, skipped, 0)
-    n_sel = tl.minimum(k, tl.sum(hist))
-    b, count, need = _pick_bin(hist, n_sel)
-    prefix = b - 128
-    thr = prefix << 24
-    # Refine while only part of the threshold bin is taken: 8 more key bits per pass.
-    for p in tl.static_range(1, 4):
-        shift = 24 - 8 * p
-        if need < count:
-            hist = tl.zeros([256], dtype=tl.int32)
-            skipped = 0
-            for i0 in range(0, n, BLOCK_S):
-                x = tl.load(src + i0 + offs, mask=i0 + offs < n, other=float("-inf"))
-                key = _order_key(x)
-                live = (x > float("-inf")) & ((key >> (shift + 8)) == prefix)
-                hist += tl.histogram(tl.where(live, (key >> shift) & 255, 0), 256)
-                skipped += BLOCK_S - tl.sum(live.to(tl.int32))
-            hist -= tl.where(tl.arange(0, 256) == 0, skipped, 0)
-            b, count, need = _pick_bin(hist, need)
-            prefix = prefix * 256 + b
-            thr = prefix << shift
-    # Keys above thr are all taken, and the first `need` keys equal to it (lower positions win ties).
-    thr = tl.where(n_sel > 0, thr, 2147483647)  # nothing to take: no key is above the largest
+    lane = offs.to(tl.float32)
+    fan = tl.arange(0, FAN)
+    # Threshold search over the order keys, BITS bits a pass: the largest key whose score n_sel scores
+    # reach is the n_sel-th largest score. The first pass's lowest candidate counts the live scores; a
+    # pass stops the search at a key that exactly n_sel scores reach (all of them are taken, ties too).
+    key = -2147483648
+    n_sel = 0
+    exact = n_sel != 0
+    for p in range(32 // BITS):
+        if exact == 0:
+            cand = key + (fan << (32 - BITS * (p + 1)))  # wraps like the unsigned keys it stands for
+            counts = _count_at_least(src, n, _from_order_key(cand), BLOCK_S)
+            n_sel = tl.where(p == 0, tl.minimum(k, tl.sum(tl.where(fan == 0, counts, 0))), n_sel)
+            pick = tl.sum((counts.to(tl.float32) >= n_sel.to(tl.float32)).to(tl.int32)) - 1
+            key = tl.sum(tl.where(fan == pick, cand, 0))
+            exact = tl.sum(tl.where(fan == pick, counts, 0)) == n_sel
+    thr = _from_order_key(key)
+    # Short of an exact key: the scores above the n_sel-th and the first ties (the lower position wins).
+    above = _count_at_least(src, n, _from_order_key(key + 1 + fan * 0), BLOCK_S)
+    need = tl.where(exact, 0, n_sel - tl.sum(tl.where(fan == 0, above, 0)))
     taken = 0
-    ties = 0
     for i0 in range(0, n, BLOCK_S):
-        i = i0 + offs
-        x = tl.load(src + i, mask=i < n, other=float("-inf"))
-        key = _order_key(x)
-        live = x > float("-inf")
-        tie = live & (key == thr)
-        tie_rank = ties + tl.cumsum(tie.to(tl.int32), axis=0) - 1
-        sel = live & ((key > thr) | (tie & (tie_rank < need)))
+        x = _row_tile(src, i0, n, BLOCK_S)
+        tie = (x == thr) & (exact == 0)
+        n_tie = tl.sum(tie.to(tl.int32))
+        cutoff = BLOCK_S - 1.0  # lane of the last tie taken here
+        if n_tie > need:
+            tie_lanes = tl.sort(tl.where(tie, lane, BLOCK_S))
+            cutoff = tl.max(tl.where(lane < need.to(tl.float32), tie_lanes, -1.0))
+        sel = ((x > thr) | ((x == thr) & exact) | (tie & (lane <= cutoff))) & (n_sel > 0)
+        need -= tl.minimum(n_tie, need)
         picked = tl.sum(sel.to(tl.int32))
         # Most tiles of a long row pick nothing. A picking tile stores densely: slot taken + q gets the q-th
         # selected lane (an fp32 sort of the lane ids puts them first). A scattered masked store would
         # become a read-modify-write of every lane on Ascend, racing with the lanes that share its slot.
         if picked > 0:
             q_ok = offs < picked
-            lane = tl.sort(tl.where(sel, offs, BLOCK_S).to(tl.float32)).to(tl.int32)
-            chosen = i0 + tl.where(q_ok, lane, 0)  # a live position for every lane
+            first = tl.sort(tl.where(sel, lane, BLOCK_S)).to(tl.int32)
+            chosen = i0 + tl.where(q_ok, first, 0)  # a live position for every lane
             if MAP_BLOCK > 0:
                 block = tl.load(pos_map + chosen // MAP_BLOCK, mask=q_ok, other=0)  # in-bounds: chosen < n
                 pos = block * MAP_BLOCK + chosen % MAP_BLOCK
@@ -216,7 +219,6 @@ def _select_row(src, n, k, out, pos_map, MAP_BLOCK: tl.constexpr, BLOCK_S: tl.co
                 pos = chosen
             tl.store(out + taken + offs, pos, mask=q_ok)
         taken += picked
-        ties += tl.sum(tie.to(tl.int32))
     for j0 in range(0, k, BLOCK_S):
         j = j0 + offs
         tl.store(out + j, tl.full([BLOCK_S], -1, tl.int32), mask=(j >= n_sel) & (j < k))
@@ -291,12 +293,12 @@ def candidate_blocks_triton(
 
 
 def select_ub(block_s: int) -> int:
-    # Per selection tile: the loaded scores, keys, masks, two prefix sums, digits, positions
-    # (about ten [BLOCK_S] 4-byte tiles), plus the histogram and its suffix sums.
-    return 4 * (10 * block_s + 4 * 256)
+    # Per selection tile: the loaded scores, lane ids, masks, the two lane sorts with their temporaries,
+    # positions (about fourteen [BLOCK_S] 4-byte tiles), plus a threshold pass's [BLOCK_S, FAN] compares.
+    return 4 * (14 + _FAN) * block_s
 
 
-_CONFIGS = tuple(TuneConfig({"BLOCK_S": bs}, select_ub(bs)) for bs in (512, 1024, 2048))
+_CONFIGS = tuple(TuneConfig({"BLOCK_S": bs}, select_ub(bs)) for bs in (512, 1024))
 
 _topk_tuned = tuning.TunedKernel(
     _topk_kernel,

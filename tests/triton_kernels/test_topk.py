@@ -46,6 +46,15 @@ def test_ties_go_to_the_lower_position() -> None:
         assert select(scores, 2).tolist() == [[1, 2], [0, 1]]
 
 
+def test_ties_over_several_tiles_stop_at_k() -> None:
+    """Ties in every tile of a row wider than the selection tile: once k are taken, later tiles' ties are
+    not (a row of equal scores, and one whose ties straddle the cut)."""
+    scores = torch.ones(2, 1200)
+    scores[1, 700:] = 2.0
+    for k in (100, 600, 1100):
+        assert torch.equal(topk.topk_positions_triton(scores, k), topk_positions_ref(scores, k)), k
+
+
 def test_kernel_matches_reference_with_ties_infinities_and_masked_rows() -> None:
     gen = torch.Generator().manual_seed(1)
     scores = torch.randint(-2, 3, (6, 300), generator=gen).float()
