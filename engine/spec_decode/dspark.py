@@ -56,7 +56,7 @@ class DSparkProposer(Proposer):
             return drafted[i][-1]
 
         model = self.model
-        anchors = [o.request.tokens[-1] for o in drafting]
+        anchors = [o.next_ids[-1] for o in drafting]  # the token each step sampled
         states = [self.states[o.request.id] for o in drafting]
         drafts = model.mtp.propose(anchors, states, model.embed, model.head, self.inv_freq, sample)
         proposals = {id(o): self._cut(o, d) for o, d in zip(drafting, drafts, strict=True)}

@@ -21,6 +21,14 @@ class Observation:
     start: int  # position of the chunk's first token
     features: torch.Tensor  # [committed, ...]: the draft head's input for each committed token
     num_drafts: int  # drafts wanted for the next step (0: only take the tokens in)
+    # The token after each committed one (the last: the one the step sampled, or the next prompt token);
+    # None: read from the request. A tensor-parallel worker, which holds no requests, is given them.
+    next_ids: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.next_ids is None:
+            start = self.start + 1
+            self.next_ids = self.request.tokens[start : start + self.features.shape[0]]
 
 
 class Proposer(ABC):
