@@ -72,6 +72,9 @@ class Rendezvous:
     port: int = 0
     nnodes: int = 1
     node_rank: int = 0
+    # A launcher's store already serves at addr:port (torchrun's agent): every rank joins it, keeping its
+    # keys under this prefix; "": rank 0 serves the store.
+    launcher_store: str = ""
 
     def ranks_here(self, world: int) -> range:
         if self.nnodes < 1 or world % self.nnodes:
@@ -151,7 +154,10 @@ def init_group(
     if device != "cpu":
         getattr(torch, device).set_device(rank % (world // meet.nnodes))  # the device on its own machine
     timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(meet.addr, meet.port, world, rank == 0, timeout, wait_for_workers=False)
+    serves = rank == 0 and not meet.launcher_store
+    store = dist.TCPStore(meet.addr, meet.port, world, serves, timeout, wait_for_workers=False)
+    if meet.launcher_store:
+        store = dist.PrefixStore(meet.launcher_store, store)
     if rank == 0:
         deadline = time.monotonic() + JOIN_TIMEOUT_S
         while store.add("joined", 0) < world - 1:
