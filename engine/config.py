@@ -83,9 +83,3 @@ class EngineConfig:
                 f"data_parallel_size={dp} runs with enable_expert_parallel=True and tensor_parallel_size=1 "
                 f"for now (got {self.enable_expert_parallel} and {self.tensor_parallel_size})"
             )
-        if dp > 1 and self.speculative_method:
-            # Each rank would draft its own requests, but the draft layer's all-to-alls need every rank.
-            raise ValueError(
-                f"data_parallel_size={dp} runs without speculative decoding for now: set "
-                f"speculative_method=None (got {self.speculative_method!r})"
-            )

@@ -543,10 +543,9 @@ def worker_main(rank: int, world: int, meet: Rendezvous, device: str, timeout_s:
         model = load_model(spec.path, spec.dtype, spec.device, spec.quantization, parallel=context)
         if context.data_parallel:
             # Imported here: the data-parallel engine is built on this module.
-            from engine.data_parallel import follow_front
-            from engine.llm_engine import LLMEngine
+            from engine.data_parallel import follow_front, lockstep_engine
 
-            engine = LLMEngine(model, load_tokenizer(spec.path), config)
+            engine = lockstep_engine(model, load_tokenizer(spec.path), config)
         else:
             groups = cache_groups(model.cfg, model.embed.weight.element_size())
             cache = KVCacheManager.from_budget(groups, config.block_size, config.kv_cache_memory)

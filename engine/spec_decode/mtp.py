@@ -20,6 +20,7 @@ from engine.sampler import Sampler
 from engine.spec_decode.proposer import Observation, Proposer
 from model.cache import Batch, KVPools, SeqCache
 from model.deepseek_v4 import DeepseekV4
+from model.parallel import idle_step
 
 
 class MtpProposer(Proposer):
@@ -46,6 +47,15 @@ class MtpProposer(Proposer):
         batch = Batch.build(self.pools, seqs, lengths, device)
         ids = torch.tensor(next_ids, device=device)
         return self.layer.predict(streams, ids, batch, self.inv_freq, self.model.embed, self.model.head)
+
+    def forwards(self, observations: list[Observation]) -> int:
+        """The catch-up, then one forward per further draft of the longest chain."""
+        live = [o.num_drafts for o in observations if o.features.shape[0]]
+        return max(1, *live) if live else 0
+
+    @torch.no_grad()
+    def idle(self) -> None:
+        idle_step(self.model, self.layer)
 
     @torch.no_grad()
     def propose(self, observations: list[Observation]) -> list[Proposal | None]:

@@ -44,6 +44,13 @@ class Proposer(ABC):
     def release(self, request_id: str) -> None:  # noqa: B027 (most proposers keep nothing per request)
         """The request is done: forget it."""
 
+    def forwards(self, observations: list[Observation]) -> int:
+        """How many forwards of the draft layers ``propose`` runs over ``observations``."""
+        return 0
+
+    def idle(self) -> None:  # noqa: B027 (a proposer without draft layers has nothing to dispatch)
+        """One draft forward's collectives with no token (data parallel: another rank drafts)."""
+
 
 class ScriptedProposer(Proposer):
     """Proposes what ``script(request, k)`` returns (at most k tokens), deterministically."""
