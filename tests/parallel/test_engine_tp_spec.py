@@ -1,16 +1,21 @@
 """Speculative decoding and prefix caching under ``LLM(tensor_parallel_size=2)`` on CPU (gloo): the greedy
 tokens of one process that neither drafts nor caches, the same drafts accepted as one process that does,
-a second request sharing a prompt prefix resumed from the cache, and identical caches on both ranks."""
+a second request sharing a prompt prefix resumed from the cache, and identical caches on both ranks; with
+drafts that are partly right, the workers keep the accepted ones as rank 0 does."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.request import Request, SamplingParams
+from engine.spec_decode.proposer import ScriptedProposer
+from engine.workers import load_ranks
 from model.tiny import cached_tiny
+from model.tokenizer import load_tokenizer
 
 # The smallest page each tiny model allows, and its draft head (MTP chaining two drafts: one is fed back).
 PAGE = {"v4": 128, "v41": 32}
@@ -60,3 +65,27 @@ def test_tp2_speculating_with_prefix_caching_matches_one_process(arch: str):
         assert rank0 == rank1
     finally:
         llm.close()
+
+
+def test_tp2_workers_keep_the_drafts_rank_0_accepts():
+    """The tiny draft heads are random and never right: here two of every three drafts are the greedy
+    tokens, so verification keeps several tokens of a chunk, on rank 0 and on the worker alike."""
+    path = cached_tiny("v41")
+    plain, _ = _outputs(LLM(model=path, enable_prefix_caching=False, **ENGINE).engine, "v41")
+    together, shared = _prompts("v41")
+    greedy = {tuple(p): out for p, out in zip([*together, shared], plain, strict=True)}
+
+    def two_right(request: Request, k: int) -> list[int]:
+        return greedy[tuple(request.prompt)][len(request.output) :][:2] + [0] * (k - 2)
+
+    config = EngineConfig(tensor_parallel_size=2, num_speculative_tokens=3, **ENGINE)
+    model, workers = load_ranks(path, torch.float32, torch.device("cpu"), config)
+    try:
+        engine = LLMEngine(model, load_tokenizer(path), config, ScriptedProposer(two_right), workers)
+        assert _outputs(engine, "v41")[0] == plain
+        assert engine.spec_stats.accepted_at[:2] == engine.spec_stats.drafted_at[:2]
+        assert engine.spec_stats.accepted_at[2] == 0 < engine.spec_stats.drafted_at[2]
+        rank0, rank1 = (report.checksums for report in engine.runner.reports())
+        assert rank0 == rank1
+    finally:
+        workers.close()
