@@ -35,7 +35,7 @@ class EngineConfig:
     num_speculative_tokens: int | None = _flag(None, "drafts per step (default: 1 for mtp, the DSpark block)")
     dspark_min_confidence: float = _flag(0.0, "verify DSpark drafts while their confidence product >= this")
     enable_prefix_caching: bool | None = _flag(None, "reuse the KV of cached prompt prefixes, in pages "
-                                               "(default: on with one rank)")  # fmt: skip
+                                               "(default: on)")  # fmt: skip
     prefix_page_size: int = _flag(256, "tokens per cached page: a multiple of every compress ratio, at least "
                                   "the sliding window")  # fmt: skip
     tensor_parallel_size: int = _flag(1, "ranks the model is split over, one process each", cli=False)
@@ -50,9 +50,8 @@ class EngineConfig:
 
     @property
     def prefix_caching(self) -> bool:
-        """Whether prefix caching is on: as asked, else on with one rank (not yet under tensor parallel)."""
-        asked = self.enable_prefix_caching
-        return self.world_size == 1 if asked is None else asked
+        """Whether prefix caching is on: as asked, else on (under tensor and data parallel too)."""
+        return self.enable_prefix_caching is not False
 
     @property
     def lookahead(self) -> int:
@@ -83,10 +82,4 @@ class EngineConfig:
             raise ValueError(
                 f"data_parallel_size={dp} runs with enable_expert_parallel=True and tensor_parallel_size=1 "
                 f"for now (got {self.enable_expert_parallel} and {self.tensor_parallel_size})"
-            )
-        if self.world_size > 1 and (self.speculative_method or self.enable_prefix_caching):
-            raise ValueError(
-                f"tensor_parallel_size={self.tensor_parallel_size} x data_parallel_size={dp} runs without "
-                "speculative decoding and prefix caching for now: set speculative_method=None and "
-                "enable_prefix_caching=False"
             )

@@ -6,21 +6,24 @@ Rank 0 is the front. It spreads new requests over the ranks (the least loaded fi
 of each request another rank runs. Every step it broadcasts the plan (the requests each rank admits,
 the aborted ones) on the workers' CPU group; then every rank steps, and gathers what its requests
 produced. The ranks step in lockstep: one with nothing to compute dispatches zero tokens through its MoE
-blocks (``idle_step``), so every all-to-all finds all ranks. Processes, rendezvous and faults are the
-workers' (``engine.workers``).
+blocks (``idle_step``), so every all-to-all finds all ranks; when speculating, every rank also runs as
+many draft forwards as the rank that drafts the most (``LockstepProposer``). Processes, rendezvous and
+faults are the workers' (``engine.workers``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
 from tokenizers import Tokenizer
 
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.llm_engine import Completion, LLMEngine
-from engine.request import FinishReason, InvalidRequest, Request, SamplingParams, Status
+from engine.request import FinishReason, InvalidRequest, Proposal, Request, SamplingParams, Status
+from engine.spec_decode.proposer import Observation, Proposer
 from engine.workers import STEP, RankReport, Workers, next_plan, report
 from model.causal_lm import CausalLM
 from model.parallel import idle_step
@@ -54,6 +57,48 @@ class Progress:
     error: str | None
 
 
+class LockstepProposer(Proposer):
+    """A data-parallel rank's proposer: the ranks agree on the most draft forwards any of them runs this
+    step, and the others dispatch no tokens through the draft layers for the rest (``Proposer.idle``), so
+    each of the draft layers' all-to-alls finds every rank."""
+
+    def __init__(self, inner: Proposer, device: torch.device):
+        self.inner, self.device, self.lookahead = inner, device, inner.lookahead
+        self.drafted = False  # this step
+
+    def propose(self, observations: list[Observation]) -> list[Proposal | None]:
+        own = self.inner.forwards(observations)
+        most = self._most(own)
+        proposals = self.inner.propose(observations)
+        for _ in range(most - own):
+            self.inner.idle()
+        self.drafted = True
+        return proposals
+
+    def end_step(self) -> None:
+        """After each step: a rank that did not draft joins the agreement and idles through every forward."""
+        if not self.drafted:
+            for _ in range(self._most(0)):
+                self.inner.idle()
+        self.drafted = False
+
+    def _most(self, forwards: int) -> int:
+        count = torch.tensor([forwards], device=self.device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)  # the draft layers' group: every rank
+        return int(count)
+
+    def release(self, request_id: str) -> None:
+        self.inner.release(request_id)
+
+
+def lockstep_engine(model: CausalLM, tokenizer: Tokenizer, config: EngineConfig) -> LLMEngine:
+    """A data-parallel rank's engine, its proposer (if any) kept in lockstep with the other ranks'."""
+    engine = LLMEngine(model, tokenizer, config)
+    if engine.proposer is not None:
+        engine.proposer = LockstepProposer(engine.proposer, model.embed.weight.device)
+    return engine
+
+
 def step_rank(engine: LLMEngine, admitted: list[Assigned], aborted: list[str]) -> list[Request]:
     """One rank's share of a step: admit and abort as planned, then step, or idle through the MoE blocks
     when nothing was computed (no request, or none the scheduler could place)."""
@@ -66,6 +111,8 @@ def step_rank(engine: LLMEngine, admitted: list[Assigned], aborted: list[str]) -
         updated, computed = engine.step(), engine.step_tokens
     if not computed:
         idle_step(engine.model)
+    if isinstance(engine.proposer, LockstepProposer):
+        engine.proposer.end_step()
     return updated
 
 
@@ -114,7 +161,7 @@ class DataParallelEngine:
         self.model, self.tokenizer, self.config = local.model, local.tokenizer, local.config
         self.scheduler, self.cache, self.runner = local.scheduler, local.cache, local.runner
         self.spec_stats, self.tuned_files = local.spec_stats, local.tuned_files
-        self.proposer = None  # no speculative decoding under data parallel yet
+        self.proposer = local.proposer
         self.shadows: dict[str, tuple[int, Request]] = {}  # requests other ranks run, with their rank
         self.shadow_text: dict[str, IncrementalDetokenizer] = {}  # their streamed text, decoded here
         self.plan = DataParallelPlan(STEP)
@@ -216,5 +263,5 @@ def build_engine(
     runs every step with the tensor-parallel workers (none: a single process)."""
     if config.data_parallel_size > 1:
         assert workers is not None
-        return DataParallelEngine(LLMEngine(model, tokenizer, config), workers)
+        return DataParallelEngine(lockstep_engine(model, tokenizer, config), workers)
     return LLMEngine(model, tokenizer, config, workers=workers)

@@ -70,7 +70,7 @@ class LLM:
         checkpoint's own format (``fp8``, ``ascend``; None: whatever it stores) or ``w8a8`` (requantise an FP8
         checkpoint to int8 at load); ``trust_remote_code`` and ``enforce_eager`` are accepted as vLLM's and
         change nothing here. ``tensor_parallel_size`` N > 1 spawns N - 1 worker processes (``close()`` ends
-        them); prefix caching is then off by default. ``data_parallel_size`` D > 1 (with
+        them). ``data_parallel_size`` D > 1 (with
         ``enable_expert_parallel``) runs D engines, one process each, the routed experts split over them."""
         where, compute_dtype = placement(device, dtype)
         known = {f.name for f in dataclasses.fields(EngineConfig)}

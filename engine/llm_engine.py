@@ -72,7 +72,7 @@ class LLMEngine:
         )
         self.sampler = Sampler(config.seed, model.cfg.eos_token_id)
         self.proposer, self.num_drafts = build_proposer(
-            config, model, self.runner.pools, self.sampler, proposer
+            config, model, self.runner.pools, self.sampler, proposer, self.runner.share
         )
         self.spec_stats = SpecDecodeStats()
         self.lookahead = self.proposer.lookahead if self.proposer else 0
@@ -168,7 +168,8 @@ class LLMEngine:
                 seq = self.runner.seqs[request.id]
                 observations.append(Observation(request, seq, chunk.start, features[:committed], wanted))
         if observations:
-            for observation, proposal in zip(observations, self.proposer.propose(observations), strict=True):
+            proposals = self.runner.propose(self.proposer, observations)
+            for observation, proposal in zip(observations, proposals, strict=True):
                 observation.request.proposal = proposal
         for chunk in chunks:  # after drafting: the MTP catch-up reads the window back from the chunk start
             if not chunk.request.finished:
@@ -179,14 +180,11 @@ class LLMEngine:
     def _resume_hits(self) -> None:
         """Requests admitted on a prefix-cache hit continue from the checkpoint's state, over copies of
         the blocks their boundary falls inside."""
-        buffer = self.runner.pools.buffer
-        for source, destination in self.cache.take_copies():
-            buffer[destination] = buffer[source]
-        for request_id, state in self.cache.take_resumes().items():
-            assert isinstance(state, BoundaryState)
-            tables = {name: table.blocks for name, table in self.cache.tables[request_id].items()}
-            self.runner.seqs[request_id] = state.resume(tables)
-            if self.proposer:  # its draft context starts over with the request
+        resumes = self.cache.take_resumes()
+        assert all(isinstance(state, BoundaryState) for state in resumes.values())
+        self.runner.resume(self.cache.take_copies(), resumes)
+        if self.proposer:  # a resumed request's draft context starts over with it
+            for request_id in resumes:
                 self.proposer.release(request_id)
 
     def _checkpoint(self, chunk: ScheduledChunk) -> None:

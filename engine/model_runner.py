@@ -14,8 +14,10 @@ from dataclasses import dataclass
 import torch
 
 from engine.kv_cache import KVCacheManager
+from engine.request import Proposal
 from engine.scheduler import ScheduledChunk
-from model.cache import Batch, KVPools, SeqCache
+from engine.spec_decode.proposer import Observation, Proposer
+from model.cache import Batch, BoundaryState, KVPools, SeqCache
 from model.causal_lm import CausalLM
 
 
@@ -61,6 +63,24 @@ class ModelRunner:
         """Keep the first ``keep`` tokens of a chunk that verified drafts: caches as if only they came."""
         kept = torch.tensor(chunk.token_ids[:keep], device=self.device)
         self.model.rollback(self.seqs[chunk.request.id], kept)
+
+    def resume(self, copies: list[tuple[int, int]], resumes: dict[str, BoundaryState]) -> None:
+        """Requests admitted on a prefix-cache hit continue from the checkpoint's state, over copies
+        (source, destination) of the blocks their boundary falls inside."""
+        buffer = self.pools.buffer
+        for source, destination in copies:
+            buffer[destination] = buffer[source]
+        for request_id, state in resumes.items():
+            tables = {name: table.blocks for name, table in self.cache.tables[request_id].items()}
+            self.seqs[request_id] = state.resume(tables)
+
+    def propose(self, proposer: Proposer, observations: list[Observation]) -> list[Proposal | None]:
+        """The proposer's drafts after a step (its forwards run on this runner's caches)."""
+        return proposer.propose(observations) if observations else []
+
+    def share(self, drafts: list[int]) -> list[int]:
+        """Drafts a proposer feeds into a further forward, as rank 0 drew them (one process: as given)."""
+        return drafts
 
     def release(self, request_id: str) -> None:
         self.seqs.pop(request_id, None)

@@ -27,8 +27,11 @@ import torch.multiprocessing as mp
 from engine.config import EngineConfig
 from engine.kv_cache import BlockTable, KVCacheManager
 from engine.model_runner import ModelRunner, StepOutput
+from engine.request import Proposal
 from engine.scheduler import ScheduledChunk
-from model.cache import KVPools, cache_groups
+from engine.spec_decode import build_proposer
+from engine.spec_decode.proposer import Observation, Proposer
+from model.cache import BoundaryState, KVPools, SavedCompressor, cache_groups
 from model.causal_lm import CausalLM
 from model.checkpoint import load_model
 from model.config import ModelConfig
@@ -36,7 +39,7 @@ from model.parallel import DispatchMoE, ParallelContext, check_divisible
 from model.tokenizer import load_tokenizer
 
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
-STEP, REPORT, STOP = "step", "report", "stop"
+STEP, DRAFT, REPORT, STOP = "step", "draft", "report", "stop"
 JOIN_TIMEOUT_S = 300.0  # for the ranks to start (a fresh interpreter importing torch) and join the group
 LOAD_TIMEOUT_S = 3600.0  # for every rank to read its shard (hundreds of GB for the large checkpoints)
 
@@ -69,6 +72,9 @@ class Rendezvous:
     port: int = 0
     nnodes: int = 1
     node_rank: int = 0
+    # A launcher's store already serves at addr:port (torchrun's agent): every rank joins it, keeping its
+    # keys under this prefix; "": rank 0 serves the store.
+    launcher_store: str = ""
 
     def ranks_here(self, world: int) -> range:
         if self.nnodes < 1 or world % self.nnodes:
@@ -98,13 +104,33 @@ class ChunkPlan:
     num_drafts: int = 0
 
 
+@dataclass(frozen=True)
+class DraftPlan:
+    """One request's ``Observation`` after a step, as a worker's proposer reads it."""
+
+    request: RequestRef
+    start: int
+    committed: int  # the chunk's tokens kept (the rows of its features the proposer sees)
+    num_drafts: int
+    next_ids: list[int]
+
+
 @dataclass
 class StepPlan:
+    """What the workers mirror: with ``STEP`` the forward of ``chunks``, with ``DRAFT`` (speculative
+    decoding, once rank 0 has sampled) the proposer's forwards over ``drafts``; either first applies what
+    rank 0 did to its caches since the last plan."""
+
     command: str
     chunks: list[ChunkPlan] = field(default_factory=list)
     # The whole block tables of the step's requests: rank 0's manager grows them in place between steps.
     tables: dict[str, dict[str, list[int]]] = field(default_factory=dict)
     released: list[str] = field(default_factory=list)
+    # Prefix-cache hits: the blocks to copy (source, destination), the states (on the CPU) they resume from.
+    copies: list[tuple[int, int]] = field(default_factory=list)
+    resumes: dict[str, BoundaryState] = field(default_factory=dict)
+    rollbacks: dict[str, int] = field(default_factory=dict)  # tokens each verifying chunk kept
+    drafts: list[DraftPlan] = field(default_factory=list)
 
 
 def free_port() -> int:
@@ -128,7 +154,10 @@ def init_group(
     if device != "cpu":
         getattr(torch, device).set_device(rank % (world // meet.nnodes))  # the device on its own machine
     timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(meet.addr, meet.port, world, rank == 0, timeout, wait_for_workers=False)
+    serves = rank == 0 and not meet.launcher_store
+    store = dist.TCPStore(meet.addr, meet.port, world, serves, timeout, wait_for_workers=False)
+    if meet.launcher_store:
+        store = dist.PrefixStore(meet.launcher_store, store)
     if rank == 0:
         deadline = time.monotonic() + JOIN_TIMEOUT_S
         while store.add("joined", 0) < world - 1:
@@ -306,38 +335,148 @@ class Workers:
             dist.destroy_process_group()
 
 
+def share_drafts(control: dist.ProcessGroup, drafts: list[int]) -> list[int]:
+    """Rank 0's ``drafts`` on every rank (``ModelRunner.share`` under tensor parallelism)."""
+    box = [drafts]
+    dist.broadcast_object_list(box, src=0, group=control)
+    return box[0]
+
+
+def moved(state: BoundaryState, device: torch.device) -> BoundaryState:
+    """``state`` with its tensors on ``device``: a plan carries them on the CPU, each rank uses its own."""
+
+    def saved(s: SavedCompressor) -> SavedCompressor:
+        overlap = None if s.overlap is None else tuple(t.to(device) for t in s.overlap)
+        return dataclasses.replace(s, overlap=overlap, device=device)
+
+    history = None if state.engram_history is None else state.engram_history.to(device)
+    return dataclasses.replace(
+        state,
+        compressors={layer: saved(s) for layer, s in state.compressors.items()},
+        indexers={layer: saved(s) for layer, s in state.indexers.items()},
+        engram_history=history,
+    )
+
+
 class LeaderRunner(ModelRunner):
-    """Rank 0's runner: each step's plan goes to the workers before rank 0 runs the same forward."""
+    """Rank 0's runner: each step's plan goes to the workers before rank 0 runs the same forward, and
+    when speculating a draft plan before the proposer's forwards; what rank 0 did to its caches in
+    between (rollbacks, releases, prefix-cache hits) rides on the next plan."""
 
     def __init__(self, model: torch.nn.Module, cache: KVCacheManager, workers: Workers):
         super().__init__(model, cache)
         self.workers = workers
-        self.released: list[str] = []
+        self.pending = StepPlan(STEP)
+
+    def _send(self, **plan: Any) -> None:
+        """Broadcast ``plan`` with what rank 0 changed in its caches since the last one."""
+        sent, self.pending = dataclasses.replace(self.pending, **plan), StepPlan(STEP)
+        self.workers.broadcast(sent)
 
     def run(self, chunks: list[ScheduledChunk]) -> StepOutput:
-        plan = StepPlan(
-            STEP,
-            [ChunkPlan(RequestRef(c.request.id), c.start, c.length, c.token_ids, c.samples) for c in chunks],
-            {
-                c.request.id: {name: list(t.blocks) for name, t in self.cache.tables[c.request.id].items()}
-                for c in chunks
-            },
-            self.released,
-        )
-        self.released = []
+        planned = [
+            ChunkPlan(RequestRef(c.request.id), c.start, c.length, c.token_ids, c.samples, c.num_drafts)
+            for c in chunks
+        ]
+        tables = {
+            c.request.id: {name: list(t.blocks) for name, t in self.cache.tables[c.request.id].items()}
+            for c in chunks
+        }
         with self.workers.guard():
-            self.workers.broadcast(plan)
+            self._send(chunks=planned, tables=tables)
             return super().run(chunks)
 
+    def propose(self, proposer: Proposer, observations: list[Observation]) -> list[Proposal | None]:
+        drafts = [
+            DraftPlan(RequestRef(o.request.id), o.start, o.features.shape[0], o.num_drafts, o.next_ids)
+            for o in observations
+        ]
+        with self.workers.guard():
+            self._send(command=DRAFT, drafts=drafts)
+            return super().propose(proposer, observations)
+
+    def share(self, drafts: list[int]) -> list[int]:
+        return share_drafts(self.workers.control, drafts)
+
+    def resume(self, copies: list[tuple[int, int]], resumes: dict[str, BoundaryState]) -> None:
+        super().resume(copies, resumes)
+        self.pending.copies += copies
+        self.pending.resumes.update({i: moved(state, torch.device("cpu")) for i, state in resumes.items()})
+
     def rollback(self, chunk: ScheduledChunk, keep: int) -> None:
-        raise NotImplementedError("speculative decoding does not run under tensor parallelism yet")
+        super().rollback(chunk, keep)
+        self.pending.rollbacks[chunk.request.id] = keep
 
     def release(self, request_id: str) -> None:
         super().release(request_id)
-        self.released.append(request_id)
+        self.pending.released.append(request_id)
 
     def reports(self) -> list[RankReport]:
         return self.workers.reports(report(self))
+
+
+class RankZeroSamples:
+    """A worker proposer's sampler: only rank 0 samples. The drafts a worker chains into a forward are
+    rank 0's (``share``); the ones it proposes are dropped."""
+
+    def draft(self, request: object, logits: torch.Tensor, drafted: list[int]) -> int:
+        return 0
+
+
+class FollowerRunner(ModelRunner):
+    """A worker's runner: mirrors rank 0's plans on its own caches, and its proposer's forwards."""
+
+    def __init__(
+        self, model: CausalLM, cache: KVCacheManager, control: dist.ProcessGroup, config: EngineConfig
+    ):
+        super().__init__(model, cache)
+        self.control = control
+        self.proposer, _ = build_proposer(config, model, self.pools, RankZeroSamples(), share=self.share)
+        self.chunks: dict[str, ChunkPlan] = {}  # the last step's, by request
+        self.features: dict[str, torch.Tensor] = {}
+
+    def follow(self, plan: StepPlan) -> None:
+        """Mirror rank 0's changes since the last plan (rollbacks, releases, block tables updated in place:
+        the runner's ``SeqCache`` holds the same lists, prefix-cache hits), then run the plan's forwards."""
+        for request_id, keep in plan.rollbacks.items():
+            self.rollback(self.chunks[request_id], keep)
+        for request_id in plan.released:
+            self.release(request_id)
+        tables = self.cache.tables
+        for request_id, groups in plan.tables.items():
+            mine = tables.setdefault(request_id, {name: BlockTable() for name in groups})
+            for name, blocks in groups.items():
+                mine[name].blocks[:] = blocks
+        self.resume(plan.copies, {i: moved(state, self.device) for i, state in plan.resumes.items()})
+        if plan.command == DRAFT:
+            if self.proposer is not None:  # rank 0's may be a given one, with no forwards of its own
+                observations = [
+                    Observation(d.request, self.seqs[d.request.id], d.start,
+                                self.features[d.request.id][: d.committed], d.num_drafts, d.next_ids)
+                    for d in plan.drafts
+                ]  # fmt: skip
+                self.propose(self.proposer, observations)
+            return
+        out = self.run(plan.chunks)
+        self.chunks = {c.request.id: c for c in plan.chunks}
+        self.features = dict(zip(self.chunks, out.features, strict=True))
+
+    def share(self, drafts: list[int]) -> list[int]:
+        return share_drafts(self.control, drafts)
+
+    def resume(self, copies: list[tuple[int, int]], resumes: dict[str, BoundaryState]) -> None:
+        super().resume(copies, resumes)
+        for request_id in resumes:
+            self._forget(request_id)
+
+    def release(self, request_id: str) -> None:
+        super().release(request_id)
+        self.cache.tables.pop(request_id, None)
+        self._forget(request_id)
+
+    def _forget(self, request_id: str) -> None:
+        if self.proposer is not None:
+            self.proposer.release(request_id)
 
 
 def load_ranks(
@@ -398,28 +537,26 @@ def worker_main(rank: int, world: int, meet: Rendezvous, device: str, timeout_s:
     torch.set_num_threads(spec.threads)
     config = spec.config
     context = dataclasses.replace(context, data_parallel=config.data_parallel_size > 1)
-    runner, engine, error = None, None, None
+    runner: FollowerRunner | None = None
+    engine, error = None, None
     try:
         model = load_model(spec.path, spec.dtype, spec.device, spec.quantization, parallel=context)
         if context.data_parallel:
             # Imported here: the data-parallel engine is built on this module.
-            from engine.data_parallel import follow_front
-            from engine.llm_engine import LLMEngine
+            from engine.data_parallel import follow_front, lockstep_engine
 
-            engine = LLMEngine(model, load_tokenizer(spec.path), config)
+            engine = lockstep_engine(model, load_tokenizer(spec.path), config)
         else:
             groups = cache_groups(model.cfg, model.embed.weight.element_size())
-            runner = ModelRunner(
-                model, KVCacheManager.from_budget(groups, config.block_size, config.kv_cache_memory)
-            )
+            cache = KVCacheManager.from_budget(groups, config.block_size, config.kv_cache_memory)
+            runner = FollowerRunner(model, cache, control, config)
     except Exception as err:  # reported to rank 0, which raises it naming this rank
         error = f"{type(err).__name__}: {err}"
     store.set(f"loaded/{rank}", error or "")
     if engine is not None:
         follow_front(engine, control, rank, world)
     while runner is not None and (plan := next_plan(control, world, runner)) is not None:
-        _follow(runner, plan)
-        runner.run(plan.chunks)
+        runner.follow(plan)
     dist.destroy_process_group()
     store.set(f"left/{rank}", "")
 
@@ -435,16 +572,3 @@ def next_plan(control: dist.ProcessGroup, world: int, runner: ModelRunner) -> An
         if plan.command != REPORT:
             return plan
         dist.all_gather_object([None] * world, report(runner), group=control)
-
-
-def _follow(runner: ModelRunner, plan: StepPlan) -> None:
-    """Mirror rank 0's block tables: released requests dropped, the step's tables updated in place (the
-    runner's ``SeqCache`` holds the same lists)."""
-    tables = runner.cache.tables
-    for request_id in plan.released:
-        runner.release(request_id)
-        tables.pop(request_id, None)
-    for request_id, groups in plan.tables.items():
-        mine = tables.setdefault(request_id, {name: BlockTable() for name in groups})
-        for name, blocks in groups.items():
-            mine[name].blocks[:] = blocks

@@ -226,14 +226,14 @@ class DispatchMoE(ExpertParallelMoE):
         return out.to(x.dtype)
 
 
-def idle_step(model: nn.Module) -> None:
-    """A data-parallel rank with nothing scheduled: its backbone's MoE blocks dispatch zero tokens, in
-    forward order, so the other ranks' all-to-alls find it (the collectives are the only thing that must
-    match)."""
+def idle_step(model: nn.Module, layers: nn.Module | None = None) -> None:
+    """A data-parallel rank with nothing scheduled: the MoE blocks of one forward through ``layers`` (the
+    backbone's by default, or a draft head's) dispatch zero tokens, in forward order, so the other ranks'
+    all-to-alls find it (the collectives are the only thing that must match)."""
     weight = model.embed.weight
     empty = torch.empty(0, model.cfg.hidden_size, dtype=weight.dtype, device=weight.device)
     ids = torch.empty(0, dtype=torch.long, device=weight.device)
-    for module in model.layers.modules():
+    for module in (model.layers if layers is None else layers).modules():
         if isinstance(module, DispatchMoE):
             module(empty, ids)
 

@@ -15,6 +15,7 @@ import json
 import os
 import re
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -105,12 +106,15 @@ def build_parser() -> argparse.ArgumentParser:
                                     "or data parallel with expert parallel)")  # fmt: skip
     for name, short in (("tensor", "tp"), ("data", "dp"), ("pipeline", "pp")):
         parallel.add_argument(f"--{name}-parallel-size", f"-{short}", type=int, default=1)
-    parallel.add_argument("--nnodes", type=int, default=1, help="machines the tensor-parallel ranks span")
-    parallel.add_argument("--node-rank", type=int, default=0,
-                          help="this machine's place: 0 serves, the others only run their ranks")  # fmt: skip
-    parallel.add_argument("--master-addr", default="127.0.0.1", help="node 0's address, where the ranks meet")
-    parallel.add_argument("--master-port", type=int, default=0,
-                          help="the port the ranks meet on (needed with --nnodes > 1)")  # fmt: skip
+    parallel.add_argument("--nnodes", type=int, default=1,
+                          help="machines the tensor-parallel ranks span (torchrun: its nodes)")  # fmt: skip
+    parallel.add_argument("--node-rank", type=int, default=0, help="this machine's place: 0 serves, the "
+                          "others only run their ranks (torchrun: GROUP_RANK)")  # fmt: skip
+    parallel.add_argument("--master-addr", default="127.0.0.1",
+                          help="node 0's address, where the ranks meet (torchrun: MASTER_ADDR)")  # fmt: skip
+    parallel.add_argument("--master-port", type=int, default=0, help="the port the ranks meet on (needed "
+                          "with --nnodes > 1; torchrun: MASTER_PORT)")  # fmt: skip
+    p.set_defaults(launcher_store="")
     parallel.add_argument("--enable-expert-parallel", action="store_true",
                           help="split the routed experts over the data-parallel ranks (under tensor "
                           "parallelism they are always split)")  # fmt: skip
@@ -184,10 +188,37 @@ def _yaml_flags(path: str) -> list[str]:
     return flags
 
 
+def torchrun_defaults(env: Mapping[str, str]) -> dict[str, Any]:
+    """The multi-node flags' defaults from torchrun's variables (none outside torchrun). It runs one
+    server per machine (``--nproc-per-node 1``: the server starts the machine's ranks itself), so its
+    WORLD_SIZE / LOCAL_WORLD_SIZE is the node count. Its agent already serves a store at MASTER_ADDR:
+    MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE); the ranks then join that one (``launcher_store``: the
+    prefix of their keys there, one per restart) instead of rank 0 serving its own."""
+    if "GROUP_RANK" not in env:
+        return {}
+    local, world = int(env["LOCAL_WORLD_SIZE"]), int(env["WORLD_SIZE"])
+    if local != 1:
+        raise ValueError(
+            f"torchrun started LOCAL_WORLD_SIZE={local} servers per machine: run it with --nproc-per-node 1 "
+            "(the server starts the machine's ranks itself)"
+        )
+    defaults = {"nnodes": world // local, "node_rank": int(env["GROUP_RANK"]),
+                "master_addr": env["MASTER_ADDR"], "master_port": int(env["MASTER_PORT"])}  # fmt: skip
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        defaults["launcher_store"] = f"deepseek-ascend/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    return defaults
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The flags, checked; errors exit through argparse naming the flag. `args.model` is resolved (None:
-    the tiny V4.1), `args.api_keys` holds every accepted key, the speculative flags are merged."""
+    the tiny V4.1), `args.api_keys` holds every accepted key, the speculative flags are merged; under
+    torchrun the multi-node flags default to its variables (``torchrun_defaults``)."""
     parser = build_parser()
+    try:
+        torchrun = torchrun_defaults(os.environ)
+    except ValueError as err:
+        parser.error(str(err))
+    parser.set_defaults(**torchrun)
     argv = list(sys.argv[1:] if argv is None else argv)
     early, _ = build_parser().parse_known_args(argv)
     if early.config:
@@ -196,6 +227,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         except (OSError, ValueError, yaml.YAMLError) as err:
             parser.error(f"--config {early.config}: {err}")
     args = parser.parse_args(argv)
+    if (args.master_addr, args.master_port) != (torchrun.get("master_addr"), torchrun.get("master_port")):
+        args.launcher_store = ""  # the ranks meet elsewhere than torchrun's store: rank 0 serves theirs
     try:
         _check(args)
     except ValueError as err:

@@ -89,7 +89,7 @@ def start_engine(
 
 
 def rendezvous(args: argparse.Namespace) -> Rendezvous:
-    return Rendezvous(args.master_addr, args.master_port, args.nnodes, args.node_rank)
+    return Rendezvous(args.master_addr, args.master_port, args.nnodes, args.node_rank, args.launcher_store)
 
 
 def serve(args: argparse.Namespace, sock: socket.socket) -> None:

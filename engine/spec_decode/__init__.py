@@ -7,6 +7,7 @@ proposer, shown the committed tokens of the step, drafts again.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from engine.sampler import Sampler
@@ -26,8 +27,10 @@ def build_proposer(
     pools: KVPools,
     sampler: Sampler,
     given: Proposer | None = None,
+    share: Callable[[list[int]], list[int]] = list,
 ) -> tuple[Proposer | None, int]:
-    """The proposer (``given``, else the one ``config`` names) and how many drafts it makes per step."""
+    """The proposer (``given``, else the one ``config`` names) and how many drafts it makes per step;
+    ``share``: how the MTP chain sees the drafts it feeds back (``ModelRunner.share``)."""
     method, k = config.speculative_method, config.num_speculative_tokens
     if given is not None:
         if k is None:
@@ -36,7 +39,7 @@ def build_proposer(
     if method is not None:
         _check_draft_head(method, model)
     if method == "mtp":
-        return MtpProposer(model, pools, sampler, k or 1), k or 1
+        return MtpProposer(model, pools, sampler, k or 1, share), k or 1
     if method == "dspark":
         k = k or model.cfg.dspark.block_size
         return DSparkProposer(model, sampler, k, config.dspark_min_confidence), k

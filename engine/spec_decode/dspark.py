@@ -17,6 +17,7 @@ from engine.sampler import Sampler
 from engine.spec_decode.proposer import Observation, Proposer
 from model.causal_lm import CausalLM
 from model.dspark import Draft, DSpark, DSparkState
+from model.parallel import idle_step
 
 
 class DSparkProposer(Proposer):
@@ -39,6 +40,14 @@ class DSparkProposer(Proposer):
     def release(self, request_id: str) -> None:
         self.states.pop(request_id, None)
 
+    def forwards(self, observations: list[Observation]) -> int:
+        """One pass through the stages when any request drafts (adding context keys runs no stage)."""
+        return int(any(o.num_drafts for o in observations))
+
+    @torch.no_grad()
+    def idle(self) -> None:
+        idle_step(self.model, self.model.mtp)
+
     @torch.no_grad()
     def propose(self, observations: list[Observation]) -> list[Proposal | None]:
         for o in observations:
@@ -56,7 +65,7 @@ class DSparkProposer(Proposer):
             return drafted[i][-1]
 
         model = self.model
-        anchors = [o.request.tokens[-1] for o in drafting]
+        anchors = [o.next_ids[-1] for o in drafting]  # the token each step sampled
         states = [self.states[o.request.id] for o in drafting]
         drafts = model.mtp.propose(anchors, states, model.embed, model.head, self.inv_freq, sample)
         proposals = {id(o): self._cut(o, d) for o, d in zip(drafting, drafts, strict=True)}

@@ -11,6 +11,8 @@ reserves ``lookahead`` positions for them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from engine.request import Proposal
@@ -18,16 +20,25 @@ from engine.sampler import Sampler
 from engine.spec_decode.proposer import Observation, Proposer
 from model.cache import Batch, KVPools, SeqCache
 from model.deepseek_v4 import DeepseekV4
+from model.parallel import idle_step
 
 
 class MtpProposer(Proposer):
-    def __init__(self, model: DeepseekV4, pools: KVPools, sampler: Sampler, num_tokens: int):
+    def __init__(
+        self,
+        model: DeepseekV4,
+        pools: KVPools,
+        sampler: Sampler,
+        num_tokens: int,
+        share: Callable[[list[int]], list[int]] = list,
+    ):
+        """``share``: the drafts chained into the next forward as every rank must see them (rank 0's)."""
         if not isinstance(model, DeepseekV4) or model.cfg.is_dspark or not len(model.mtp):
             raise ValueError("speculative method 'mtp' needs a DeepSeek V4 checkpoint with an MTP layer")
         self.model, self.pools, self.sampler = model, pools, sampler
         self.layer = model.mtp[0]  # later drafts chain the same block
         self.inv_freq = model.rope(self.layer.plan.rope)
-        self.lookahead = num_tokens
+        self.lookahead, self.share = num_tokens, share
 
     def _predict(
         self, streams: torch.Tensor, next_ids: list[int], seqs: list[SeqCache], lengths: list[int]
@@ -37,17 +48,22 @@ class MtpProposer(Proposer):
         ids = torch.tensor(next_ids, device=device)
         return self.layer.predict(streams, ids, batch, self.inv_freq, self.model.embed, self.model.head)
 
+    def forwards(self, observations: list[Observation]) -> int:
+        """The catch-up, then one forward per further draft of the longest chain."""
+        live = [o.num_drafts for o in observations if o.features.shape[0]]
+        return max(1, *live) if live else 0
+
+    @torch.no_grad()
+    def idle(self) -> None:
+        idle_step(self.model, self.layer)
+
     @torch.no_grad()
     def propose(self, observations: list[Observation]) -> list[Proposal | None]:
         live = [o for o in observations if o.features.shape[0]]
         if not live:
             return [None] * len(observations)
         lengths = [o.features.shape[0] for o in live]
-        next_ids = [
-            t
-            for o, n in zip(live, lengths, strict=True)
-            for t in o.request.tokens[o.start + 1 : o.start + 1 + n]
-        ]
+        next_ids = [t for o in live for t in o.next_ids]
         # The catch-up reads the window through the committed tables, positioned at each chunk's start.
         views = [SeqCache(o.seq.tables, num_tokens=o.start) for o in live]
         logits, streams = self._predict(torch.cat([o.features for o in live]), next_ids, views, lengths)
@@ -64,9 +80,8 @@ class MtpProposer(Proposer):
             active = [active[j] for j in keep]
             if not active:
                 break
+            chained = self.share([drafts[i][-1] for i in active])  # under TP: rank 0's, on every rank
             views = [SeqCache(live[i].seq.tables, num_tokens=live[i].seq.num_tokens + step) for i in active]
-            logits, streams = self._predict(
-                streams[keep], [drafts[i][-1] for i in active], views, [1] * len(active)
-            )
+            logits, streams = self._predict(streams[keep], chained, views, [1] * len(active))
         proposals = {id(live[i]): Proposal(d, torch.stack(rows[i])) for i, d in drafts.items()}
         return [proposals.get(id(o)) for o in observations]

@@ -21,6 +21,14 @@ class Observation:
     start: int  # position of the chunk's first token
     features: torch.Tensor  # [committed, ...]: the draft head's input for each committed token
     num_drafts: int  # drafts wanted for the next step (0: only take the tokens in)
+    # The token after each committed one (the last: the one the step sampled, or the next prompt token);
+    # None: read from the request. A tensor-parallel worker, which holds no requests, is given them.
+    next_ids: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.next_ids is None:
+            start = self.start + 1
+            self.next_ids = self.request.tokens[start : start + self.features.shape[0]]
 
 
 class Proposer(ABC):
@@ -35,6 +43,13 @@ class Proposer(ABC):
 
     def release(self, request_id: str) -> None:  # noqa: B027 (most proposers keep nothing per request)
         """The request is done: forget it."""
+
+    def forwards(self, observations: list[Observation]) -> int:
+        """How many forwards of the draft layers ``propose`` runs over ``observations``."""
+        return 0
+
+    def idle(self) -> None:  # noqa: B027 (a proposer without draft layers has nothing to dispatch)
+        """One draft forward's collectives with no token (data parallel: another rank drafts)."""
 
 
 class ScriptedProposer(Proposer):

@@ -66,17 +66,24 @@ def test_a_request_on_another_rank_refuses_a_logits_processor():
         shadow.logits_processor = lambda tokens, logits: logits
 
 
-def test_dp2_preempting_ranks_give_the_tokens_of_one_process_and_aborts_reach_rank_1():
-    """A KV cache of a few blocks per rank: rank 0 preempts (and recomputes) one of its two requests.
-    Then rank 1's requests are aborted, before and after they reach it."""
-    path, blocks = cached_tiny("v4"), 6
+@pytest.mark.parametrize("arch", ["v4", "v41"])
+def test_dp2_speculating_preempting_ranks_give_the_tokens_of_one_process_and_aborts_reach_rank_1(arch: str):
+    """A KV cache of a few blocks per rank (on V4 rank 0 preempts and recomputes one of its two requests),
+    and every rank drafts (MTP chaining two drafts on V4, DSpark on V4.1; a rank that drafts less idles
+    through the others' draft forwards). Then rank 1's requests are aborted, before and after they reach
+    it."""
+    path, blocks = cached_tiny(arch), 6
     block_bytes, _ = block_layout(cache_groups(ModelConfig.from_file(path), 4), ENGINE["block_size"])
     engine = {**ENGINE, "kv_cache_memory": blocks * block_bytes}
     single = _tokens(LLM(model=path, enable_prefix_caching=False, **ENGINE))
+    engine["speculative_config"] = (
+        {"method": "mtp", "num_speculative_tokens": 2} if arch == "v4" else {"method": "dspark"}
+    )
     llm = LLM(model=path, data_parallel_size=2, enable_expert_parallel=True, **engine)
     try:
         assert _tokens(llm) == single
-        assert llm.engine.scheduler.preemptions > 0
+        assert llm.engine.scheduler.preemptions > 0 or arch == "v41"  # V4.1's 6 blocks hold both requests
+        assert llm.engine.spec_stats.drafted > 0
         _abort_on_rank_1(llm.engine)
     finally:
         llm.close()

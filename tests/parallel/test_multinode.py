@@ -1,20 +1,27 @@
-"""Two "nodes" on one machine through the launcher: node 1 is ``python -m engine.serve --nnodes 2
---node-rank 1``, node 0 the engine here; the greedy tokens are those of one process, and node 1 exits
+"""Two "nodes" on one machine, started as torchrun starts them: node 1 is ``python -m engine.serve`` with
+torchrun's variables for the second machine and no multi-node flag, node 0 the engine here, and the test
+serves the store as torchrun's agent does. The greedy tokens are those of one process, and node 1 exits
 cleanly when rank 0 stops the group."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from datetime import timedelta
 from pathlib import Path
 
+import pytest
 import torch
+import torch.distributed as dist
 
 from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.request import SamplingParams
-from engine.workers import Rendezvous, free_port, load_ranks
+from engine.server.args import parse_args
+from engine.server.launch import rendezvous
+from engine.workers import free_port, load_ranks
 from model.tiny import cached_tiny
 from model.tokenizer import load_tokenizer
 
@@ -24,20 +31,27 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 ENGINE = {"max_num_batched_tokens": 16, "max_model_len": 128, "kv_cache_memory": 4 * 2**20}
 
 
-def test_a_second_node_runs_rank_1_and_the_tokens_are_those_of_one_process(tmp_path: Path):
+def test_a_second_node_runs_rank_1_and_the_tokens_are_those_of_one_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
     path, port = cached_tiny("v41"), free_port()
     single = [
         o.outputs[0].token_ids for o in LLM(model=path, **ENGINE).generate(PROMPTS, GREEDY, use_tqdm=False)
     ]
-    node = ["--tensor-parallel-size", "2", "--nnodes", "2", "--node-rank", "1", "--master-port", str(port)]
+    agent = dist.TCPStore("127.0.0.1", port, 2, True, timedelta(seconds=60), wait_for_workers=False)
+    torchrun = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True"}  # fmt: skip
     with (tmp_path / "node1.log").open("w") as log:
         node1 = subprocess.Popen(
-            [sys.executable, "-m", "engine.serve", "--port", "0", "--device", "cpu", *node],
-            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+            [sys.executable, "-m", "engine.serve", "--port", "0", "--device", "cpu", "-tp", "2"],
+            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **torchrun, "GROUP_RANK": "1"},
         )  # fmt: skip
     try:
-        config = EngineConfig(tensor_parallel_size=2, enable_prefix_caching=False, **ENGINE)
-        meet = Rendezvous(port=port, nnodes=2)
+        for name, value in {**torchrun, "GROUP_RANK": "0"}.items():
+            monkeypatch.setenv(name, value)
+        meet = rendezvous(parse_args(["-tp", "2"]))
+        assert (meet.nnodes, meet.node_rank, meet.port) == (2, 0, port) and meet.launcher_store
+        config = EngineConfig(tensor_parallel_size=2, **ENGINE)
         model, workers = load_ranks(path, torch.float32, torch.device("cpu"), config, meet=meet)
         try:
             assert workers.processes == []  # rank 1 lives on the other node
@@ -52,3 +66,4 @@ def test_a_second_node_runs_rank_1_and_the_tokens_are_those_of_one_process(tmp_p
     finally:
         if node1.poll() is None:
             node1.kill()
+        del agent
