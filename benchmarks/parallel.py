@@ -21,8 +21,8 @@ import torch
 
 import benchmarks.common  # noqa: F401  (sets the interpreter switch before any kernel module loads)
 from engine.llm import LLM
+from engine.rank_plans import RankReport, report
 from engine.request import SamplingParams
-from engine.workers import RankReport, report
 from model.tiny import cached_tiny
 
 

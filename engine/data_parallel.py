@@ -22,9 +22,10 @@ from tokenizers import Tokenizer
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.llm_engine import Completion, LLMEngine
+from engine.rank_plans import STEP, RankReport, next_plan, report
 from engine.request import FinishReason, InvalidRequest, Proposal, Request, SamplingParams, Status
 from engine.spec_decode.proposer import Observation, Proposer
-from engine.workers import STEP, RankReport, Workers, next_plan, report
+from engine.workers import Workers
 from model.causal_lm import CausalLM
 from model.parallel import idle_step
 

@@ -20,12 +20,13 @@ import uvicorn
 from engine.data_parallel import DataParallelEngine, build_engine
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.memory_plan import MemoryPlan, plan_memory
+from engine.rank_group import Rendezvous
 from engine.server.api import MAX_REQUEST_BYTES, OpenAIServer
 from engine.server.app import build_app
 from engine.server.args import engine_config, non_default
 from engine.server.protocol import GENERATION_FIELDS
 from engine.server.shutdown import FLUSH_TIMEOUT, GracefulServer
-from engine.workers import Rendezvous, Workers, load_ranks, serve_node
+from engine.workers import Workers, load_ranks, serve_node
 from model.chat_profile import select_chat_profile
 from model.checkpoint import loader_quantization, placement
 from model.config import ModelConfig

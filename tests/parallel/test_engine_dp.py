@@ -8,8 +8,8 @@ import pytest
 
 from engine.data_parallel import ShadowRequest
 from engine.llm import LLM
+from engine.rank_group import WorkerFailed
 from engine.request import InvalidRequest, SamplingParams
-from engine.workers import WorkerFailed
 from model.cache import block_layout, cache_groups
 from model.config import ModelConfig
 from model.parallel import DispatchMoE

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from engine.llm import LLM
+from engine.rank_group import WorkerFailed
 from engine.request import InvalidRequest, SamplingParams
-from engine.workers import WorkerFailed
 from model.cache import block_layout, cache_groups
 from model.config import ModelConfig
 from model.tiny import cached_tiny

@@ -10,16 +10,9 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.workers import (
-    RankReport,
-    Rendezvous,
-    WorkerFailed,
-    Workers,
-    WorkerSpec,
-    _spawn,
-    free_port,
-    init_group,
-)
+from engine.rank_group import Rendezvous, WorkerFailed, free_port, init_group
+from engine.rank_plans import RankReport, WorkerSpec
+from engine.workers import Workers, _spawn
 from model.tiny import cached_tiny
 
 CONFIG = EngineConfig(tensor_parallel_size=2, enable_prefix_caching=False, kv_cache_memory=2**20)

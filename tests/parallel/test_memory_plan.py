@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.memory_plan import plan_memory
-from engine.workers import resident_bytes
+from engine.rank_plans import resident_bytes
 from model.checkpoint import load_model
 from model.parallel import ParallelContext
 from model.tiny import cached_tiny

@@ -18,10 +18,11 @@ import torch.distributed as dist
 from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
+from engine.rank_group import free_port
 from engine.request import SamplingParams
 from engine.server.args import parse_args
 from engine.server.launch import rendezvous
-from engine.workers import free_port, load_ranks
+from engine.workers import load_ranks
 from model.tiny import cached_tiny
 from model.tokenizer import load_tokenizer
 

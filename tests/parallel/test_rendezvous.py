@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.workers import Rendezvous
+from engine.rank_group import Rendezvous
 
 
 def test_each_node_holds_consecutive_ranks():

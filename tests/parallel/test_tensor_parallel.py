@@ -13,7 +13,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from engine.workers import Rendezvous, free_port, init_group, resident_bytes
+from engine.rank_group import Rendezvous, free_port, init_group
+from engine.rank_plans import resident_bytes
 from model.attention import Indexer
 from model.attention_v41 import Indexer41
 from model.checkpoint import load_model, plan_shard, stored_tensors

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from engine.rank_group import Rendezvous
 from engine.server.args import parse_args, torchrun_defaults
 from engine.server.launch import rendezvous
-from engine.workers import Rendezvous
 
 # What torchrun's agent sets for the second of two machines, one server each, after two restarts.
 NODE_1 = {

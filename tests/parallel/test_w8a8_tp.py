@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from engine.workers import Rendezvous, free_port, init_group
+from engine.rank_group import Rendezvous, free_port, init_group
 from model.checkpoint import load_model
 
 PROMPT = [0, 17, 4000, 5, 5, 93, 2048, 311, 7, 1999, 64, 12]
