@@ -24,7 +24,7 @@ JOIN_TIMEOUT_S = 300.0  # for the ranks to start (a fresh interpreter importing 
 
 
 class WorkerFailed(RuntimeError):
-    """A tensor-parallel worker exited or stopped answering: the engine cannot step any more."""
+    """A tensor- or data-parallel worker exited or stopped answering: the engine cannot step any more."""
 
 
 @dataclass(frozen=True)
@@ -82,9 +82,7 @@ def init_group(
             if watch is not None:
                 watch()
             if time.monotonic() > deadline:
-                raise WorkerFailed(
-                    f"the tensor-parallel ranks did not all join within {JOIN_TIMEOUT_S:.0f} s"
-                )
+                raise WorkerFailed(f"not all {world} ranks joined within {JOIN_TIMEOUT_S:.0f} s")
             time.sleep(0.05)
     else:
         store.add("joined", 1)

@@ -60,6 +60,7 @@ class Workers:
         data_parallel = spec.config.data_parallel_size > 1
         check_divisible(ModelConfig.from_file(spec.path), world, data_parallel)  # before any process starts
         self.world, self.spec, self.closed = world, spec, False
+        self.kind = "data-parallel" if data_parallel else "tensor-parallel"  # how errors name the ranks
         self.failed: WorkerFailed | None = None
         self.on_failure: Callable[[WorkerFailed], None] | None = None
         self.ranks = list(meet.ranks_here(world))[1:]
@@ -85,10 +86,10 @@ class Workers:
                 while not self.store.check([f"loaded/{rank}"]):
                     self.check()
                     if time.monotonic() > deadline:
-                        self._fail(WorkerFailed(f"tensor-parallel rank {rank} did not load in time"))
+                        self._fail(WorkerFailed(f"{self.kind} rank {rank} did not load in time"))
                     time.sleep(0.05)
                 if error := self.store.get(f"loaded/{rank}").decode():
-                    errors.append(f"tensor-parallel rank {rank}: {error}")
+                    errors.append(f"{self.kind} rank {rank}: {error}")
         except BaseException:
             self.close()
             raise
@@ -118,7 +119,7 @@ class Workers:
             raise self.failed
         for rank, process in zip(self.ranks, self.processes, strict=True):
             if not process.is_alive():
-                self._fail(WorkerFailed(f"tensor-parallel rank {rank} exited with code {process.exitcode}"))
+                self._fail(WorkerFailed(f"{self.kind} rank {rank} exited with code {process.exitcode}"))
 
     def watch(self, on_failure: Callable[[WorkerFailed], None], interval_s: float = 0.5) -> None:
         """Call ``on_failure`` once when a worker dies, even while no step runs (a server's health)."""
@@ -153,7 +154,7 @@ class Workers:
                 process.join(timeout=1.0)  # a dying worker's exit code settles
             self.check()
             ranks = ", ".join(str(r) for r in range(1, self.world))
-            self._fail(WorkerFailed(f"a step with tensor-parallel rank(s) {ranks} failed: {err}"))
+            self._fail(WorkerFailed(f"a step with {self.kind} rank(s) {ranks} failed: {err}"))
 
     def close(self) -> None:
         """Stop the workers (asked, then terminated) and leave the group; safe to call twice."""

@@ -45,7 +45,7 @@ def test_dp2_with_expert_parallel_matches_one_process_and_computes_each_choice_o
         choices = sum(m.gate.top_k for m in llm.engine.model.layers.modules() if isinstance(m, DispatchMoE))
         assert sum(r.expert_pairs for r in reports) == tokens * choices
         kill_worker(llm)
-        with pytest.raises(WorkerFailed, match="rank 1 exited with code -9"):
+        with pytest.raises(WorkerFailed, match="data-parallel rank 1 exited with code -9"):
             llm.generate(PROMPTS[1], GREEDY, use_tqdm=False)
     finally:
         llm.close()
