@@ -7,8 +7,8 @@ of each request another rank runs. Every step it broadcasts the plan (the reques
 the aborted ones) on the workers' CPU group; then every rank steps, and gathers what its requests
 produced. The ranks step in lockstep: one with nothing to compute dispatches zero tokens through its MoE
 blocks (``idle_step``), so every all-to-all finds all ranks; when speculating, every rank also runs as
-many draft forwards as the rank that drafts the most (``LockstepProposer``). Processes, rendezvous and
-faults are the workers' (``engine.workers``).
+many draft forwards as the rank that drafts the most (``LockstepProposer``). Processes and faults are
+the workers' (``engine.workers``), the rendezvous ``engine.rank_group``'s.
 """
 
 from __future__ import annotations
