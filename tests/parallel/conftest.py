@@ -3,11 +3,14 @@ depends on the thread count (the workers copy rank 0's), and extra threads only 
 
 import os
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 
+from engine.rank_group import free_port
 from model.tiny import write_tiny
 
 
@@ -30,3 +33,18 @@ def kill_worker(llm) -> None:
     worker = llm.workers.processes[0]
     os.kill(worker.pid, signal.SIGKILL)
     worker.join(timeout=10)
+
+
+def two_ranks(worker: Callable, here: Callable, arg: object) -> tuple[Any, Any]:
+    """Rank 1 spawned (``worker(port, arg, results)`` puts its result on ``results``), rank 0 here
+    (``here(0, port, arg)``): both results, the spawned process joined or terminated even on failure."""
+    spawn = mp.get_context("spawn")
+    results, port = spawn.Queue(), free_port()
+    process = spawn.Process(target=worker, args=(port, arg, results), daemon=True)
+    process.start()
+    try:
+        return here(0, port, arg), results.get(timeout=60)
+    finally:
+        process.join(timeout=10)
+        if process.is_alive():
+            process.terminate()

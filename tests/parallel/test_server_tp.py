@@ -31,20 +31,26 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def test_tp2_server_serves_then_exits_when_a_worker_dies(tmp_path: Path):
+def _one_process_text() -> str:
+    """The greedy completion of ``PROMPT`` in one process: what every layout must serve."""
     greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    single = LLM(model=cached_tiny("v41"), max_model_len=256).generate(PROMPT, greedy, use_tqdm=False)
+    (output,) = LLM(model=cached_tiny("v41"), max_model_len=256).generate(PROMPT, greedy, use_tqdm=False)
+    return output.outputs[0].text
+
+
+def _greedy_reply(served, n: int = 1):
+    return served.client().completions.create(
+        model="deepseek-v4.1-tiny", prompt=PROMPT, max_tokens=6, temperature=0.0, n=n,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+
+
+def test_tp2_server_serves_then_exits_when_a_worker_dies(tmp_path: Path):
+    single = _one_process_text()
     flags = ["--tensor-parallel-size", "2", "--torch-threads", "1", "--max-model-len", "256",
              "--kv-cache-memory", "16MiB", "--log-level", "warning"]  # fmt: skip
     with serving(tmp_path / "server.log", *flags) as (served, proc):
-        reply = served.client().completions.create(
-            model="deepseek-v4.1-tiny",
-            prompt=PROMPT,
-            max_tokens=6,
-            temperature=0.0,
-            extra_body={"ignore_eos": True},
-        )
-        assert reply.choices[0].text == single[0].outputs[0].text
+        assert _greedy_reply(served).choices[0].text == single
         (worker,) = [
             pid for pid in _children(proc.pid) if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text()
         ]
@@ -60,19 +66,10 @@ def test_tp2_server_serves_then_exits_when_a_worker_dies(tmp_path: Path):
 def test_dp2_ep_server_serves_one_process_tokens_from_both_ranks(tmp_path: Path):
     """``n=2``: the two sequences go to the two ranks (each a whole engine) and both stream back the
     tokens of one process."""
-    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    single = LLM(model=cached_tiny("v41"), max_model_len=256).generate(PROMPT, greedy, use_tqdm=False)
+    single = _one_process_text()
     flags = ["--data-parallel-size", "2", "--enable-expert-parallel", "--torch-threads", "1",
              "--max-model-len", "256", "--kv-cache-memory", "16MiB", "--log-level", "warning"]  # fmt: skip
     with serving(tmp_path / "server.log", *flags) as (served, _):
-        reply = served.client().completions.create(
-            model="deepseek-v4.1-tiny",
-            prompt=PROMPT,
-            max_tokens=6,
-            temperature=0.0,
-            n=2,
-            extra_body={"ignore_eos": True},
-        )
-        assert [c.text for c in reply.choices] == [single[0].outputs[0].text] * 2
+        assert [c.text for c in _greedy_reply(served, n=2).choices] == [single] * 2
         metrics = httpx.get(f"{served.url}/metrics", timeout=5).text
         assert "vllm:generation_tokens_total" in metrics

@@ -13,13 +13,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from engine.rank_group import Rendezvous, free_port, init_group
+from engine.rank_group import Rendezvous, init_group
 from engine.rank_plans import resident_bytes
 from model.attention import Indexer
 from model.attention_v41 import Indexer41
 from model.checkpoint import load_model, plan_shard, stored_tensors
 from model.parallel import ParallelContext
 from model.tiny import cached_tiny
+from tests.parallel.conftest import two_ranks
 
 WORLD = 2
 ARCHS = ("v4", "v41")
@@ -81,21 +82,8 @@ def paths(fp8_tiny) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def ranks(paths: dict[str, str]) -> dict[int, dict]:
     """Rank 0 here, rank 1 spawned: ``{rank: {case: (logits, embedding exact, (resident, whole) bytes)}}``."""
-    spawn = mp.get_context("spawn")
-    results, port = spawn.Queue(), free_port()
-    worker = spawn.Process(target=_worker, args=(port, paths, results), daemon=True)
-    worker.start()
-    try:
-        mine = _results(0, port, paths)
-        theirs = {
-            case: (torch.from_numpy(logits), *rest)
-            for case, (logits, *rest) in results.get(timeout=60).items()
-        }
-        return {0: mine, 1: theirs}
-    finally:
-        worker.join(timeout=10)
-        if worker.is_alive():
-            worker.terminate()
+    mine, theirs = two_ranks(_worker, _results, paths)
+    return {0: mine, 1: {case: (torch.from_numpy(logits), *rest) for case, (logits, *rest) in theirs.items()}}
 
 
 def _reorder_reductions(model: torch.nn.Module) -> None:

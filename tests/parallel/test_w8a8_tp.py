@@ -8,8 +8,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from engine.rank_group import Rendezvous, free_port, init_group
+from engine.rank_group import Rendezvous, init_group
 from model.checkpoint import load_model
+from tests.parallel.conftest import two_ranks
 
 PROMPT = [0, 17, 4000, 5, 5, 93, 2048, 311, 7, 1999, 64, 12]
 
@@ -33,17 +34,8 @@ def test_w8a8_tp2_stays_within_the_quantisation_error(fp8_tiny):
     with torch.no_grad():
         fp8 = load_model(path)(torch.tensor(PROMPT))
         single = load_model(path, quantization="w8a8")(torch.tensor(PROMPT))
-    spawn = mp.get_context("spawn")
-    results, port = spawn.Queue(), free_port()
-    worker = spawn.Process(target=_worker, args=(port, path, results), daemon=True)
-    worker.start()
-    try:
-        tp0 = _logits(0, port, path)
-        tp1 = torch.from_numpy(results.get(timeout=60))
-    finally:
-        worker.join(timeout=10)
-        if worker.is_alive():
-            worker.terminate()
+    tp0, theirs = two_ranks(_worker, _logits, path)
+    tp1 = torch.from_numpy(theirs)
     error, tp_error = (single - fp8).abs().max().item(), (tp0 - fp8).abs().max().item()
     agree = (tp0.argmax(-1) == fp8.argmax(-1)).float().mean().item()
     agree_single = (single.argmax(-1) == fp8.argmax(-1)).float().mean().item()
