@@ -180,7 +180,7 @@ def _select_row(src, n, k, out, pos_map, MAP_BLOCK: tl.constexpr, BLOCK_S: tl.co
     # pass stops the search at a key that exactly n_sel scores reach (all of them are taken, ties too).
     key = -2147483648
     n_sel = 0
-    exact = n_sel != 0
+    exact = n_sel != 0  # False, as the i1 tensor the loop reassigns
     for p in range(32 // BITS):
         if exact == 0:
             cand = key + (fan << (32 - BITS * (p + 1)))  # wraps like the unsigned keys it stands for
@@ -202,7 +202,8 @@ def _select_row(src, n, k, out, pos_map, MAP_BLOCK: tl.constexpr, BLOCK_S: tl.co
         if n_tie > need:
             tie_lanes = tl.sort(tl.where(tie, lane, BLOCK_S))
             cutoff = tl.max(tl.where(lane < need.to(tl.float32), tie_lanes, -1.0))
-        sel = ((x > thr) | ((x == thr) & exact) | (tie & (lane <= cutoff))) & (n_sel > 0)
+        # An exact key counts no ties, so the cut stays past the tile and every score equal to it is taken.
+        sel = ((x > thr) | ((x == thr) & (lane <= cutoff))) & (n_sel > 0)
         need -= tl.minimum(n_tie, need)
         picked = tl.sum(sel.to(tl.int32))
         # Most tiles of a long row pick nothing. A picking tile stores densely: slot taken + q gets the q-th
