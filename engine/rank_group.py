@@ -18,8 +18,6 @@ import torch.distributed as dist
 from model.parallel import ParallelContext
 
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
-
-
 JOIN_TIMEOUT_S = 300.0  # for the ranks to start (a fresh interpreter importing torch) and join the group
 
 
