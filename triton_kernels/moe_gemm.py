@@ -20,7 +20,8 @@ Routing
     ``sort_by_expert`` orders the ``T * k`` choices by expert (stable: tokens ascending within an
     expert, dropped choices last) and gives each expert's row range ``offsets[e]:offsets[e + 1]``.
     Experts with no token have an empty range and cost one scalar load per program. The CPU reference
-    walks the same ranges, expert by expert, decoding one tile of weight rows at a time.
+    runs dense fp32 experts as three grouped GEMMs over those ranges, and walks the others expert by
+    expert, decoding one tile of weight rows at a time.
 
 Kernels
     One ``@triton.jit`` body, two launches. ``GATE_UP``: for each expert and each ``BLOCK_M`` tile of its
@@ -178,17 +179,40 @@ def moe_gemm_ref(
     quantises the integer formats' activations per row (the tokens, then the SwiGLU output)."""
     t, k = topk_ids.shape
     routing = sort_by_expert(topk_ids, topk_weights, experts.num_experts)
-    y = torch.zeros((routing.tokens.numel(), x.shape[1]), dtype=torch.float32, device=x.device)
     rows, weights = x[routing.tokens].float(), routing.weights[:, None]  # gathered once, sliced per expert
+    stacks = (experts.w1, experts.w3, experts.w2)
+    if all(w.format == DENSE and w.data.dtype == torch.float32 for w in stacks):
+        y = _fp32_experts(rows, routing, experts) * weights
+    else:
+        y = _decoded_experts(rows, routing, experts) * weights
+    return y[routing.inverse].view(t, k, x.shape[1]).sum(1).to(x.dtype)
+
+
+def _fp32_experts(rows: torch.Tensor, routing: ExpertRouting, experts: RoutedExperts) -> torch.Tensor:
+    """The sorted rows through dense fp32 experts, nothing to decode: three grouped GEMMs for all experts."""
+    ends = routing.offsets[1:]
+
+    def grouped(a: torch.Tensor, w: QuantWeight) -> torch.Tensor:
+        return torch._grouped_mm(a, w.data.transpose(1, 2), offs=ends)
+
+    h = swiglu(grouped(rows, experts.w1), grouped(rows, experts.w3), experts.swiglu_limit)
+    # The grouped GEMM leaves the rows past the last expert's (dropped choices) unwritten.
+    kept = torch.arange(rows.shape[0], device=rows.device) < ends[-1]
+    return torch.where(kept[:, None], grouped(h, experts.w2), 0.0)
+
+
+def _decoded_experts(rows: torch.Tensor, routing: ExpertRouting, experts: RoutedExperts) -> torch.Tensor:
+    """The sorted rows through their experts' stored weights, expert by expert, each decoded to fp32 one
+    tile at a time (dropped rows stay 0)."""
+    y = torch.zeros((rows.shape[0], experts.hidden), dtype=torch.float32, device=rows.device)
     bounds = routing.offsets.tolist()  # the reference runs where the tensors live in host memory
     for e, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
         if lo == hi:
             continue
         xe = rows[lo:hi]
         gate, up = quant_matmul_ref(xe, experts.w1.expert(e)), quant_matmul_ref(xe, experts.w3.expert(e))
-        down = quant_matmul_ref(swiglu(gate, up, experts.swiglu_limit), experts.w2.expert(e))
-        torch.mul(down, weights[lo:hi], out=y[lo:hi])
-    return y[routing.inverse].view(t, k, x.shape[1]).sum(1).to(x.dtype)
+        y[lo:hi] = quant_matmul_ref(swiglu(gate, up, experts.swiglu_limit), experts.w2.expert(e))
+    return y
 
 
 @triton.jit

@@ -173,7 +173,7 @@ def sparse_attention_ref(
         slots = pool.indices.clamp(min=0).long()
         kv = take_rows(pool.kv, slots)  # [T, K, D]: only the rows read, before any dequantisation
         gathered = kv.float() if pool.scale is None else dequantize_int8(kv, take_rows(pool.scale, slots))
-        s = torch.einsum("thd,tkd->thk", q.float(), gathered) * scale
+        s = torch.bmm(q.float(), gathered.transpose(1, 2)) * scale
         scores.append(s.masked_fill((pool.indices < 0)[:, None, :], float("-inf")))
         values.append(gathered)
     s = torch.cat(scores, dim=-1)
@@ -181,7 +181,7 @@ def sparse_attention_ref(
     probs = torch.exp(s - lse.nan_to_num(neginf=0.0)[..., None])  # rows without a valid slot: all 0
     # sigmoid(lse - sink) = exp(lse) / (exp(lse) + exp(sink)); NaN only when both are -inf: no output.
     keep = torch.sigmoid(lse - sink).nan_to_num(0.0)
-    out = torch.einsum("thk,tkd->thd", probs, torch.cat(values, dim=1)) * keep[..., None]
+    out = torch.bmm(probs, torch.cat(values, dim=1)) * keep[..., None]
     if inv_freq is not None:
         out = apply_rope_ref(out, positions, inv_freq, inverse=True)
     return out.to(q.dtype), lse
