@@ -36,7 +36,9 @@ Kernels
     row still spreads over every core. ``_indexer_topk_kernel``: one task is a token; its logits go
     to a per-program scratch row of HBM (``grid x width``, not ``T x width``), then ``topk._select_row``
     picks from it; ``MODE`` 1 also takes block maxima and picks the candidate blocks, ``MODE`` 2
-    scores the slots of the candidate blocks only.
+    scores the slots of the candidate blocks only. A decode batch has fewer tokens than cores
+    (``score_split``): its rows are scored by the logits kernel over every core, then selected by
+    ``topk``'s kernels (one HBM round trip of the logits; the consumer's few candidate slots stay fused).
 """
 
 from __future__ import annotations
@@ -542,13 +544,33 @@ def _launch_topk(
     return out, blocks_out
 
 
-def indexer_topk_triton(queries: IndexQueries, pool: KeyPool, k: int) -> torch.Tensor:
+def score_split(tokens: int) -> bool:
+    """Whether one task per token would leave cores idle (decode): then the logits kernel scores (token, key
+    tile) tasks over every core and the top-k kernels select from its rows."""
+    return tokens < runtime.num_aicore()
+
+
+def _scored_then_selected(queries: IndexQueries, split: bool | None, picks: int) -> bool:
+    # Nothing to pick launches nothing (the fused launcher returns before launching).
+    return picks > 0 and (score_split(queries.q.shape[0]) if split is None else split)
+
+
+def indexer_topk_triton(
+    queries: IndexQueries, pool: KeyPool, k: int, split: bool | None = None
+) -> torch.Tensor:
+    """``split`` forces the scoring split or the fused kernel; by default ``score_split`` decides."""
+    if _scored_then_selected(queries, split, k):
+        return topk.topk_positions_triton(indexer_logits_triton(queries, pool), k)
     return _launch_topk(queries, pool, k, _PLAIN)[0]
 
 
 def indexer_topk_and_candidates_triton(
-    queries: IndexQueries, pool: KeyPool, k: int, block_size: int, topk_blocks: int
+    queries: IndexQueries, pool: KeyPool, k: int, block_size: int, topk_blocks: int, split: bool | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    if _scored_then_selected(queries, split, k + topk_blocks):
+        logits = indexer_logits_triton(queries, pool)
+        blocks = topk.candidate_blocks_triton(logits, queries.visible, block_size, topk_blocks)
+        return topk.topk_positions_triton(logits, k), blocks
     return _launch_topk(queries, pool, k, _SOURCE, block_size, topk_blocks)
 
 

@@ -146,10 +146,10 @@ def test_reference_matches_dense_formula() -> None:
 
 
 @pytest.mark.parametrize("int8", [False, True], ids=["fp32", "int8"])
-@pytest.mark.parametrize("k", [1, 16, 512])
-def test_fused_topk_matches_reference_over_visible_lengths(k: int, int8: bool) -> None:
+@pytest.mark.parametrize(("k", "split"), [(1, False), (16, False), (512, False), (16, True)])
+def test_topk_matches_reference_over_visible_lengths(k: int, int8: bool, split: bool) -> None:
     queries, pool = _ranked(VISIBLE, int8)
-    got = indexer.indexer_topk_triton(queries, pool, k)
+    got = indexer.indexer_topk_triton(queries, pool, k, split)
     ref = indexer.indexer_topk_ref(queries, pool, k)
     assert got.shape == (len(VISIBLE), k) and got.dtype == torch.int32
     assert torch.equal(got, ref)
@@ -157,18 +157,27 @@ def test_fused_topk_matches_reference_over_visible_lengths(k: int, int8: bool) -
         assert got[row].ge(0).sum() == min(k, n)
 
 
-def test_fused_topk_on_random_paged_batch() -> None:
+@pytest.mark.parametrize("split", [False, True], ids=["fused", "scored-then-selected"])
+def test_topk_on_random_paged_batch(split: bool) -> None:
     queries, pool = _batch(*PREFILL, block_size=8, seed=3)
     assert torch.equal(
-        indexer.indexer_topk_triton(queries, pool, 20), indexer.indexer_topk_ref(queries, pool, 20)
+        indexer.indexer_topk_triton(queries, pool, 20, split), indexer.indexer_topk_ref(queries, pool, 20)
     )
 
 
+def test_decode_batches_score_over_every_core() -> None:
+    # Fewer tokens than cores: one fused task per token would leave cores idle.
+    cores = runtime.num_aicore()
+    assert indexer.score_split(cores - 1) and not indexer.score_split(cores)
+
+
 @pytest.mark.parametrize("int8", [False, True], ids=["fp32", "int8"])
-@pytest.mark.parametrize(("block", "keep"), [(4, 6), (16, 8)])
-def test_candidate_source_and_consumer_match_reference(block: int, keep: int, int8: bool) -> None:
+@pytest.mark.parametrize(("block", "keep", "split"), [(4, 6, False), (16, 8, False), (4, 6, True)])
+def test_candidate_source_and_consumer_match_reference(
+    block: int, keep: int, int8: bool, split: bool
+) -> None:
     queries, pool = _ranked(VISIBLE, int8, seed=1)
-    picked, blocks = indexer.indexer_topk_and_candidates_triton(queries, pool, 16, block, keep)
+    picked, blocks = indexer.indexer_topk_and_candidates_triton(queries, pool, 16, block, keep, split)
     ref_picked, ref_blocks = indexer.indexer_topk_and_candidates_ref(queries, pool, 16, block, keep)
     assert torch.equal(picked, ref_picked) and torch.equal(blocks, ref_blocks)
     assert blocks.shape == (len(VISIBLE), keep)
