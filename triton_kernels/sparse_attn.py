@@ -34,7 +34,9 @@ Kernels
 
     The max is final before any exponential is weighted: nothing is rescaled, and invalid slots (score
     ``_NEG``, a zero row) add nothing. A KV row is thus gathered twice per head tile (its scores, then its
-    value slices) where the one-pass kernel with 16-head tasks gathered it once per 16 heads. Slots are
+    value slices) where the one-pass kernel with 16-head tasks gathered it once per 16 heads. Both pools
+    are one sequence of key tiles, each load choosing its pool by a branch (a select between two base
+    pointers crashes Ascend's adapter), so a pass holds one score tile, not one per pool. Slots are
     gathered row by row through ``gather_rows`` (every lane's address clamped into the pool), window and
     compressed pools alike: the contract gives slot ids, not the window's runs. Prefill (``SPLITS = 1``)
     adds the sink in each slice's epilogue. Decode has too few (token, head tile) tasks to fill the cores
@@ -228,81 +230,43 @@ def _tile_slots(idx_ptr, ks_ptr, j0, hi, QUANT: tl.constexpr, BLOCK_N: tl.conste
 
 
 @triton.jit
-def _score_pool(
-    q_ptr,
-    rows,
-    h_ok,
-    m,
-    total,
-    ws,
-    kv_ptr,
-    ks_ptr,
-    idx_ptr,
-    lo,
-    hi,
-    D,
-    stride,
-    scale,
+def _tile(
+    i,
+    n0,
+    lo0,
+    hi0,
+    idx0_ptr,
+    ks0_ptr,
+    lo1,
+    hi1,
+    idx1_ptr,
+    ks1_ptr,
+    width0,
     QUANT: tl.constexpr,
-    BF16_DOT: tl.constexpr,
-    DP: tl.constexpr,
-    BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    DS: tl.constexpr,
 ):
-    """Pass 1 over the slots ``idx[lo:hi]`` of one pool: each key tile is gathered once for the whole head
-    tile, its scores ``[BLOCK_H, BLOCK_N]`` go to the workspace row ``ws`` (column ``j`` for slot ``j``,
-    ``_NEG`` where invalid) and update the running max and sum of exponentials.
-
-    The contraction over ``D`` runs in slices of ``DS`` channels, so neither the query nor the key tile is
-    ever wider than ``DS``; the query keeps its natural ``[heads, D]`` layout.
-    """
-    for j0 in range(lo, hi, BLOCK_N):
-        valid, row, weight = _tile_slots(idx_ptr, ks_ptr, j0, hi, QUANT, BLOCK_N)
-        s = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
-        for d0 in range(0, D, DS):
-            d = d0 + tl.arange(0, DS)
-            d_ok = d < D
-            q = tl.load(q_ptr + rows[:, None] * D + d[None, :], mask=h_ok[:, None] & d_ok[None, :], other=0.0)
-            k = gather_rows(kv_ptr, row, valid, d, D, stride, D == DP)
-            # ieee: the tf32 default on GPUs would cost ~1e-3 relative error in fp32 attention.
-            s = tl.dot(_operand(q, BF16_DOT), tl.trans(_operand(k, BF16_DOT)), s, input_precision="ieee")
-        s = tl.where(valid[None, :], s * (scale * weight)[None, :], _NEG)
-        tl.store(ws + (j0 + tl.arange(0, BLOCK_N))[None, :], s)
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        p = tl.where(valid[None, :], tl.exp(s - m_new[:, None]), 0.0)
-        total = total * tl.exp(m - m_new) + tl.sum(p, axis=1)
-        m = m_new
-    return m, total
+    """Key tile ``i`` of a task, the first pool's ``n0`` tiles then the second pool's: whether it is the first
+    pool's, its slots (``_tile_slots``) and its workspace columns (the second pool's follow ``width0``)."""
+    first = i < n0
+    if first:
+        j0 = lo0 + i * BLOCK_N
+        valid, row, weight = _tile_slots(idx0_ptr, ks0_ptr, j0, hi0, QUANT, BLOCK_N)
+    else:
+        j0 = lo1 + (i - n0) * BLOCK_N
+        valid, row, weight = _tile_slots(idx1_ptr, ks1_ptr, j0, hi1, QUANT, BLOCK_N)
+        j0 += width0
+    return first, valid, row, weight, j0 + tl.arange(0, BLOCK_N)
 
 
 @triton.jit
-def _weigh_pool(
-    acc,
-    m,
-    ws,
-    kv_ptr,
-    ks_ptr,
-    idx_ptr,
-    lo,
-    hi,
-    d,
-    D,
-    stride,
-    QUANT: tl.constexpr,
-    BF16_DOT: tl.constexpr,
-    DP: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    """Pass 2 over the slots ``idx[lo:hi]`` of one pool for the channels ``d``: ``acc += exp(s - m) v[:, d]``
-    with the final max ``m``, so nothing is rescaled. An invalid slot gathers a zero row: whatever its
-    weight, it adds nothing (a row without valid slot has ``m = _NEG`` and weights 1)."""
-    for j0 in range(lo, hi, BLOCK_N):
-        valid, row, weight = _tile_slots(idx_ptr, ks_ptr, j0, hi, QUANT, BLOCK_N)
-        p = tl.exp(tl.load(ws + (j0 + tl.arange(0, BLOCK_N))[None, :]) - m[:, None]) * weight[None, :]
-        v = _operand(gather_rows(kv_ptr, row, valid, d, D, stride, D == DP), BF16_DOT)
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
-    return acc
+def _tile_rows(first, kv0_ptr, S0, kv1_ptr, S1, row, valid, d, D, DP: tl.constexpr, BF16_DOT: tl.constexpr):
+    """The channels ``d`` of a key tile's rows, from its pool: a branch, as a select between two base
+    pointers crashes Ascend's adapter; the pools may also differ in dtype."""
+    if first:
+        rows = _operand(gather_rows(kv0_ptr, row, valid, d, D, S0, D == DP), BF16_DOT)
+    else:
+        rows = _operand(gather_rows(kv1_ptr, row, valid, d, D, S1, D == DP), BF16_DOT)
+    return rows
 
 
 @triton.jit
@@ -375,28 +339,48 @@ def _sparse_attn_kernel(
         idx1 = idx1_ptr + t * K1
         m = tl.full([BLOCK_H], _NEG, tl.float32)
         total = tl.zeros([BLOCK_H], dtype=tl.float32)
+        n0 = tl.cdiv(tl.maximum(hi0 - lo0, 0), BLOCK_N)
+        n_tiles = n0 + tl.cdiv(tl.maximum(hi1 - lo1, 0), BLOCK_N)
         tl.debug_barrier()  # the previous task has read the workspace
-        m, total = _score_pool(
-            q_ptr, rows, h_ok, m, total, ws, kv0_ptr, ks0_ptr, idx0, lo0, hi0, D, S0, scale,
-            QUANT, BF16_DOT, DP, BLOCK_H, BLOCK_N, DS,
-        )  # fmt: skip
-        m, total = _score_pool(
-            q_ptr, rows, h_ok, m, total, ws + width0, kv1_ptr, ks1_ptr, idx1, lo1, hi1, D, S1, scale,
-            QUANT, BF16_DOT, DP, BLOCK_H, BLOCK_N, DS,
-        )  # fmt: skip
+        # Pass 1: the scores of each key tile, contracted over slices of DS channels (the query in its
+        # natural layout), to the workspace; the running max and sum of exponentials.
+        for i in range(0, n_tiles):
+            first, valid, row, weight, col = _tile(
+                i, n0, lo0, hi0, idx0, ks0_ptr, lo1, hi1, idx1, ks1_ptr, width0, QUANT, BLOCK_N
+            )
+            s = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
+            for d0 in range(0, D, DS):
+                d = d0 + tl.arange(0, DS)
+                q_mask = h_ok[:, None] & (d < D)[None, :]
+                q = _operand(
+                    tl.load(q_ptr + rows[:, None] * D + d[None, :], mask=q_mask, other=0.0), BF16_DOT
+                )
+                k = _tile_rows(first, kv0_ptr, S0, kv1_ptr, S1, row, valid, d, D, DP, BF16_DOT)
+                # ieee: the tf32 default on GPUs would cost ~1e-3 relative error in fp32 attention.
+                s = tl.dot(q, tl.trans(k), s, input_precision="ieee")
+            s = tl.where(valid[None, :], s * (scale * weight)[None, :], _NEG)
+            tl.store(ws + col[None, :], s)
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            p = tl.where(valid[None, :], tl.exp(s - m_new[:, None]), 0.0)
+            total = total * tl.exp(m - m_new) + tl.sum(p, axis=1)
+            m = m_new
         tl.debug_barrier()  # the scores are written before any lane reads them
         sink = tl.load(sink_ptr + h, mask=h_ok, other=0.0)
         part = rows * SPLITS + split
+        # Pass 2, a slice of DS output channels at a time: acc += exp(s - m) v with the final max m, so
+        # nothing is rescaled. An invalid slot gathers a zero row: whatever its weight, it adds nothing (a
+        # row without valid slot has m = _NEG and weights 1).
         for d0 in range(0, D, DS):
             d = d0 + tl.arange(0, DS)
             mask = h_ok[:, None] & (d < D)[None, :]
             acc = tl.zeros([BLOCK_H, DS], dtype=tl.float32)
-            acc = _weigh_pool(
-                acc, m, ws, kv0_ptr, ks0_ptr, idx0, lo0, hi0, d, D, S0, QUANT, BF16_DOT, DP, BLOCK_N
-            )
-            acc = _weigh_pool(
-                acc, m, ws + width0, kv1_ptr, ks1_ptr, idx1, lo1, hi1, d, D, S1, QUANT, BF16_DOT, DP, BLOCK_N
-            )
+            for i in range(0, n_tiles):
+                first, valid, row, weight, col = _tile(
+                    i, n0, lo0, hi0, idx0, ks0_ptr, lo1, hi1, idx1, ks1_ptr, width0, QUANT, BLOCK_N
+                )
+                p = tl.exp(tl.load(ws + col[None, :]) - m[:, None]) * weight[None, :]
+                v = _tile_rows(first, kv0_ptr, S0, kv1_ptr, S1, row, valid, d, D, DP, BF16_DOT)
+                acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
             if SPLITS == 1:
                 out = _finish(acc, m, total, sink).to(out_ptr.dtype.element_ty)
                 tl.store(out_ptr + rows[:, None] * D + d[None, :], out, mask=mask)
@@ -527,10 +511,10 @@ def _pad(d: int) -> int:
     return max(16, triton.next_power_of_2(d))
 
 
-# Footprints at D = 512 and the widest head tile, each tile counted at every site the IR allocates it: a
-# [BLOCK_N, BLOCK_D] key tile per pool loop of each pass (4), the query slice and the value accumulator
-# [BLOCK_H, BLOCK_D], the scores, their exponentials and the loaded scores [BLOCK_H, BLOCK_N] with their
-# masks. BLOCK_D = 128 or BLOCK_N = 128 estimate 343 and 314 KiB in the IR, over the unified buffer.
+# Footprints at D = 512 and the widest head tile: a [BLOCK_N, BLOCK_D] key tile per pool in each pass (4),
+# the query slice and the value accumulator [BLOCK_H, BLOCK_D], the scores, their exponentials and the
+# loaded scores [BLOCK_H, BLOCK_N] with their masks. The IR estimates BLOCK_D = 128 or BLOCK_N = 128 at 262
+# and 267 KiB, over the unified buffer.
 _DP = MAX_DIM
 _MAX_SPLITS = 8
 
