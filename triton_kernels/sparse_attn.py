@@ -36,9 +36,10 @@ Kernels
     ``_NEG``, a zero row) add nothing. A KV row is thus gathered twice per head tile (its scores, then its
     value slices) where the one-pass kernel with 16-head tasks gathered it once per 16 heads. Both pools
     are one sequence of key tiles, each load choosing its pool by a branch (a select between two base
-    pointers crashes Ascend's adapter), so a pass holds one score tile, not one per pool. Slots are
-    gathered row by row through ``gather_rows`` (every lane's address clamped into the pool), window and
-    compressed pools alike: the contract gives slot ids, not the window's runs. Prefill (``SPLITS = 1``)
+    pointers crashes Ascend's adapter), so a pass holds one score tile, not one per pool. The window's
+    slots of a token are runs of consecutive slots (two where its ring wraps): a tile that is one such run
+    (``_page``) is read as one strided block, any other tile row by row through ``gather_rows`` (every
+    lane's address clamped into the pool), as are the compressed entries top-k picks. Prefill (``SPLITS = 1``)
     adds the sink in each slice's epilogue. Decode has too few (token, head tile) tasks to fill the cores
     (``decode_split``): each pool's slot axis is cut into ``SPLITS`` chunks of whole tiles (autotuned),
     partial ``(max, sum, acc)`` go to a scratch buffer and ``_merge_kernel`` combines them by log-sum-exp,
@@ -245,8 +246,9 @@ def _tile(
     QUANT: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """Key tile ``i`` of a task, the first pool's ``n0`` tiles then the second pool's: whether it is the first
-    pool's, its slots (``_tile_slots``) and its workspace columns (the second pool's follow ``width0``)."""
+    """Key tile ``i`` of a task, the window's ``n0`` tiles then the compressed pool's: whether it is the
+    window's, its slots (``_tile_slots``), its page (``_page``) and its workspace columns (the compressed
+    pool's follow ``width0``)."""
     first = i < n0
     if first:
         j0 = lo0 + i * BLOCK_N
@@ -255,15 +257,32 @@ def _tile(
         j0 = lo1 + (i - n0) * BLOCK_N
         valid, row, weight = _tile_slots(idx1_ptr, ks1_ptr, j0, hi1, QUANT, BLOCK_N)
         j0 += width0
-    return first, valid, row, weight, j0 + tl.arange(0, BLOCK_N)
+    return first, valid, row, weight, _page(valid, row, BLOCK_N), j0 + tl.arange(0, BLOCK_N)
 
 
 @triton.jit
-def _tile_rows(first, kv0_ptr, S0, kv1_ptr, S1, row, valid, d, D, DP: tl.constexpr, BF16_DOT: tl.constexpr):
-    """The channels ``d`` of a key tile's rows, from its pool: a branch, as a select between two base
-    pointers crashes Ascend's adapter; the pools may also differ in dtype."""
+def _page(valid, row, BLOCK_N: tl.constexpr):
+    """The first slot of a tile whose slots are one run of consecutive valid slots, else -1. The window's
+    slots of a token are such runs (two where its ring wraps): those tiles are read as one strided block
+    rather than row by row."""
+    start = tl.min(row, axis=0)
+    run = tl.sum(tl.where(valid & (row == start + tl.arange(0, BLOCK_N)), 1, 0), axis=0) == BLOCK_N
+    return tl.where(run, start, -1)
+
+
+@triton.jit
+def _tile_rows(
+    first, page, kv0_ptr, S0, kv1_ptr, S1, row, valid, d, D, DP: tl.constexpr, BF16_DOT: tl.constexpr
+):
+    """The channels ``d`` of a key tile's rows, from its pool: branches, as a select between two base
+    pointers crashes Ascend's adapter (and the pools may differ in dtype). A page of the window is one
+    strided block; the compressed pool's slots, picked by top-k, are gathered."""
     if first:
-        rows = _operand(gather_rows(kv0_ptr, row, valid, d, D, S0, D == DP), BF16_DOT)
+        if page != -1:
+            rows = gather_rows(kv0_ptr, page + tl.arange(0, row.shape[0]), valid, d, D, S0, D == DP)
+        else:
+            rows = gather_rows(kv0_ptr, row, valid, d, D, S0, D == DP)
+        rows = _operand(rows, BF16_DOT)
     else:
         rows = _operand(gather_rows(kv1_ptr, row, valid, d, D, S1, D == DP), BF16_DOT)
     return rows
@@ -345,7 +364,7 @@ def _sparse_attn_kernel(
         # Pass 1: the scores of each key tile, contracted over slices of DS channels (the query in its
         # natural layout), to the workspace; the running max and sum of exponentials.
         for i in range(0, n_tiles):
-            first, valid, row, weight, col = _tile(
+            first, valid, row, weight, page, col = _tile(
                 i, n0, lo0, hi0, idx0, ks0_ptr, lo1, hi1, idx1, ks1_ptr, width0, QUANT, BLOCK_N
             )
             s = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
@@ -355,7 +374,7 @@ def _sparse_attn_kernel(
                 q = _operand(
                     tl.load(q_ptr + rows[:, None] * D + d[None, :], mask=q_mask, other=0.0), BF16_DOT
                 )
-                k = _tile_rows(first, kv0_ptr, S0, kv1_ptr, S1, row, valid, d, D, DP, BF16_DOT)
+                k = _tile_rows(first, page, kv0_ptr, S0, kv1_ptr, S1, row, valid, d, D, DP, BF16_DOT)
                 # ieee: the tf32 default on GPUs would cost ~1e-3 relative error in fp32 attention.
                 s = tl.dot(q, tl.trans(k), s, input_precision="ieee")
             s = tl.where(valid[None, :], s * (scale * weight)[None, :], _NEG)
@@ -375,11 +394,11 @@ def _sparse_attn_kernel(
             mask = h_ok[:, None] & (d < D)[None, :]
             acc = tl.zeros([BLOCK_H, DS], dtype=tl.float32)
             for i in range(0, n_tiles):
-                first, valid, row, weight, col = _tile(
+                first, valid, row, weight, page, col = _tile(
                     i, n0, lo0, hi0, idx0, ks0_ptr, lo1, hi1, idx1, ks1_ptr, width0, QUANT, BLOCK_N
                 )
                 p = tl.exp(tl.load(ws + col[None, :]) - m[:, None]) * weight[None, :]
-                v = _tile_rows(first, kv0_ptr, S0, kv1_ptr, S1, row, valid, d, D, DP, BF16_DOT)
+                v = _tile_rows(first, page, kv0_ptr, S0, kv1_ptr, S1, row, valid, d, D, DP, BF16_DOT)
                 acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
             if SPLITS == 1:
                 out = _finish(acc, m, total, sink).to(out_ptr.dtype.element_ty)
@@ -511,17 +530,17 @@ def _pad(d: int) -> int:
     return max(16, triton.next_power_of_2(d))
 
 
-# Footprints at D = 512 and the widest head tile: a [BLOCK_N, BLOCK_D] key tile per pool in each pass (4),
-# the query slice and the value accumulator [BLOCK_H, BLOCK_D], the scores, their exponentials and the
-# loaded scores [BLOCK_H, BLOCK_N] with their masks. The IR estimates BLOCK_D = 128 or BLOCK_N = 128 at 262
-# and 267 KiB, over the unified buffer.
+# Footprints at D = 512 and the widest head tile: each pass loads a [BLOCK_N, BLOCK_D] key tile as a page
+# of the window, by rows of the window or by rows of the compressed pool (6 buffers, one live), the query
+# slice and the value accumulator [BLOCK_H, BLOCK_D], the stored and the loaded scores [BLOCK_H, BLOCK_N]
+# with their masks. The IR estimates BLOCK_D = 128 or BLOCK_N = 128 at 325 and 331 KiB, over the buffer.
 _DP = MAX_DIM
 _MAX_SPLITS = 8
 
 
 def _attn_ub(block_n: int, block_d: int) -> int:
     bh = MAX_HEAD_TILE
-    return 4 * (4 * block_n * block_d + 2 * bh * block_d + 3 * bh * block_n) + 3 * bh * block_n
+    return 4 * (6 * block_n * block_d + 2 * bh * block_d + 2 * bh * block_n) + 3 * bh * block_n
 
 
 def _attn_configs(shapes: tuple[tuple[int, int, int], ...]) -> tuple[TuneConfig, ...]:

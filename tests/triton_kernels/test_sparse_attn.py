@@ -210,3 +210,16 @@ def test_every_decode_split_merges_to_the_reference(config) -> None:
     q, pools, sink = _case(3, 4, 64, 70, 130, "fp32", seed=13)
     with sparse_attn._decode_tuned.forced(config):
         _check(q, pools, sink, _rope(3), split=True, atol=1e-5)
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["prefill", "decode"])
+@pytest.mark.parametrize("kind", ["fp32", "int8"])
+def test_window_slots_in_runs_are_read_as_pages(kind: str, split: bool) -> None:
+    # A ring serves the window's slots: whole tiles of consecutive slots (pages), a tile wrapping past the
+    # last slot, and a window not full yet, whose first tile is partly invalid.
+    q, pools, sink = _case(3, 4, 64, 128, 40, kind, seed=15)
+    start = torch.tensor([0, SLOTS - 100, 300])
+    window = ((start[:, None] + torch.arange(128)) % SLOTS).to(torch.int32)
+    window[2, :70] = -1
+    pages = [KVPool(pools[0].kv, window, pools[0].scale), pools[1]]
+    _check(q, pages, sink, _rope(3), split, atol=1e-5)
