@@ -39,12 +39,13 @@ Kernels
     pointers crashes Ascend's adapter), so a pass holds one score tile, not one per pool. The window's
     slots of a token are runs of consecutive slots (two where its ring wraps): a tile that is one such run
     (``_page``) is read as one strided block, any other tile row by row through ``gather_rows`` (every
-    lane's address clamped into the pool), as are the compressed entries top-k picks. Prefill (``SPLITS = 1``)
-    adds the sink in each slice's epilogue. Decode has too few (token, head tile) tasks to fill the cores
-    (``decode_split``): each pool's slot axis is cut into ``SPLITS`` chunks of whole tiles (autotuned),
-    partial ``(max, sum, acc)`` go to a scratch buffer and ``_merge_kernel`` combines them by log-sum-exp,
-    one (token, head) row per task. bf16 queries use bf16 dot operands on devices (fp32 accumulation); the
-    interpreter, whose bf16 arithmetic is wrong, computes in fp32.
+    lane's address clamped into the pool), as are the compressed entries top-k picks.
+
+    Prefill (``SPLITS = 1``) adds the sink in each slice's epilogue. Decode has too few (token, head tile)
+    tasks to fill the cores (``decode_split``): each pool's slot axis is cut into ``SPLITS`` chunks of
+    whole tiles (autotuned), partial ``(max, sum, acc)`` go to a scratch buffer and ``_merge_kernel``
+    combines them by log-sum-exp, one (token, head) row per task. bf16 queries use bf16 dot operands on
+    devices (fp32 accumulation); the interpreter, whose bf16 arithmetic is wrong, computes in fp32.
 """
 
 from __future__ import annotations
