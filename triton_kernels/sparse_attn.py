@@ -17,16 +17,35 @@ Contract
     Limits: ``H <= MAX_HEADS``, ``D <= MAX_DIM``, every tensor under 2**31 elements (int32 offsets).
 
 Kernels
-    ``_sparse_attn_kernel``: one task is (token, ``BLOCK_H`` heads, split). The heads share the token's
-    slots, so each gathered ``[BLOCK_N, D]`` key tile feeds transposed scores ``[BLOCK_N, D] x [D,
-    BLOCK_H]`` and the value product ``[BLOCK_H, BLOCK_N] x [BLOCK_N, D]`` on the cube unit, with an
-    online softmax whose running max starts at a finite sentinel (fully masked tiles never produce
-    ``inf - inf``). Prefill (``SPLITS = 1``) normalises and adds the sink in the epilogue.
-    Decode has too few (token, head block) tasks to fill the cores (``decode_split``): each pool's slot
-    axis is cut into ``SPLITS`` chunks (autotuned), partial ``(max, sum, acc)`` go to a scratch buffer
-    and ``_merge_kernel`` combines them by log-sum-exp, one (token, head) row per task. bf16 queries use
-    bf16 dot operands on devices (fp32 accumulation); the interpreter, whose bf16 arithmetic is wrong,
-    computes in fp32.
+    ``_sparse_attn_kernel``: one task is (token, head tile, split). A head tile is all of the token's heads
+    up to ``MAX_HEAD_TILE`` (``head_tile``: 128 heads make two tiles, fewer than 16 are padded to the 16
+    ``tl.dot`` needs), as the heads share the token's slots: each gathered key tile serves 64 heads. At
+    ``D = 512`` a ``[64, 512]`` fp32 accumulator alone would take two thirds of Ascend's unified buffer, so
+    a task makes two passes over its slots, in tiles of ``BLOCK_N``:
+
+    1. scores: per key tile, ``[BLOCK_H, D] x [D, BLOCK_N]`` on the cube, the query read in its natural
+       layout and the contraction in slices of ``BLOCK_D`` channels; the scores go to a workspace in
+       global memory (a row per head and program, each pool's slots padded to whole tiles, so the tiles
+       are stored and read back unmasked) while the running max and sum of exponentials stay on the
+       vector unit;
+    2. values, one slice of ``BLOCK_D`` output channels at a time: per key tile ``exp(s - max)`` from the
+       workspace times the tile's value slice, accumulated in ``[BLOCK_H, BLOCK_D]``; the slice is
+       normalised and stored, so the full accumulator only ever exists in global memory (the output).
+
+    The max is final before any exponential is weighted: nothing is rescaled, and invalid slots (score
+    ``_NEG``, a zero row) add nothing. A KV row is thus gathered twice per head tile (its scores, then its
+    value slices) where the one-pass kernel with 16-head tasks gathered it once per 16 heads. Both pools
+    are one sequence of key tiles, each load choosing its pool by a branch (a select between two base
+    pointers crashes Ascend's adapter), so a pass holds one score tile, not one per pool. The window's
+    slots of a token are runs of consecutive slots (two where its ring wraps): a tile that is one such run
+    (``_page``) is read as one strided block, any other tile row by row through ``gather_rows`` (every
+    lane's address clamped into the pool), as are the compressed entries top-k picks.
+
+    Prefill (``SPLITS = 1``) adds the sink in each slice's epilogue. Decode has too few (token, head tile)
+    tasks to fill the cores (``decode_split``): each pool's slot axis is cut into ``SPLITS`` chunks of
+    whole tiles (autotuned), partial ``(max, sum, acc)`` go to a scratch buffer and ``_merge_kernel``
+    combines them by log-sum-exp, one (token, head) row per task. bf16 queries use bf16 dot operands on
+    devices (fp32 accumulation); the interpreter, whose bf16 arithmetic is wrong, computes in fp32.
 """
 
 from __future__ import annotations
@@ -52,6 +71,7 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 _MAX_NUMEL = 2**31 - 1  # offsets are int32 inside the kernels
 _NEG = tl.constexpr(-1.0e30)  # finite running-max sentinel
 _MIN_BLOCK_H = 16  # tl.dot needs every dimension >= 16
+MAX_HEAD_TILE = 64  # heads per task: 128 would need a [128, BLOCK_N] score tile per pool loop
 
 
 @dataclass(frozen=True)
@@ -188,66 +208,100 @@ def sparse_attention_ref(
 
 
 @triton.jit
-def _attend(
-    qt,
-    m,
-    total,
-    acc,
-    kv_ptr,
-    ks_ptr,
-    idx_ptr,
-    lo,
-    hi,
-    D,
-    stride,
-    scale,
-    QUANT: tl.constexpr,
-    BF16_DOT: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    DP: tl.constexpr,
-):
-    """Online-softmax update of ``(max, sum of exponentials, acc)`` with the slots ``idx[lo:hi]`` of one pool.
+def _operand(x, BF16_DOT: tl.constexpr):
+    """A ``tl.dot`` operand: bf16 on devices for bf16 queries (fp32 accumulation), else fp32."""
+    dtype: tl.constexpr = tl.bfloat16 if BF16_DOT else tl.float32
+    return x.to(dtype)
 
-    Scores are computed transposed, ``[BLOCK_N, BLOCK_H]`` from the transposed query ``qt [DP, BLOCK_H]``:
-    the small probability tile is transposed for the value product, never the ``[BLOCK_N, DP]`` key tile.
-    """
-    d = tl.arange(0, DP)
-    for j0 in range(lo, hi, BLOCK_N):
-        j = j0 + tl.arange(0, BLOCK_N)
-        slot = tl.load(idx_ptr + j, mask=j < hi, other=-1)
-        valid = slot >= 0
-        row = tl.where(valid, slot, 0)  # -1 slots read row 0
-        k = gather_rows(kv_ptr, row, valid, d, D, stride, D == DP)
-        if BF16_DOT:
-            k = k.to(tl.bfloat16)
+
+@triton.jit
+def _tile_slots(idx_ptr, ks_ptr, j0, hi, QUANT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The key tile ``idx[j0:j0 + BLOCK_N]`` (cut at ``hi``): whether each slot is valid, a row id valid for
+    every lane (-1 slots read row 0) and the slots' int8 scale (1 for float pools).
+
+    K = V = int8 * per-slot scale: the scale multiplies the scores and the probabilities."""
+    j = j0 + tl.arange(0, BLOCK_N)
+    slot = tl.load(idx_ptr + j, mask=j < hi, other=-1)
+    valid = slot.to(tl.float32) >= 0  # the sign, exact in fp32: ordered int compares run on the scalar unit
+    row = tl.where(valid, slot, 0)
+    if QUANT:
+        weight = tl.load(ks_ptr + row, mask=valid, other=0.0)  # in-bounds: -1 slots read row 0
+    else:
+        weight = tl.full([BLOCK_N], 1.0, tl.float32)
+    return valid, row, weight
+
+
+@triton.jit
+def _tile(
+    i,
+    n0,
+    lo0,
+    hi0,
+    idx0_ptr,
+    ks0_ptr,
+    lo1,
+    hi1,
+    idx1_ptr,
+    ks1_ptr,
+    width0,
+    QUANT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Key tile ``i`` of a task, the window's ``n0`` tiles then the compressed pool's: whether it is the
+    window's, its slots (``_tile_slots``), its page (``_page``) and its workspace columns (the compressed
+    pool's follow ``width0``)."""
+    first = i < n0
+    if first:
+        j0 = lo0 + i * BLOCK_N
+        valid, row, weight = _tile_slots(idx0_ptr, ks0_ptr, j0, hi0, QUANT, BLOCK_N)
+    else:
+        j0 = lo1 + (i - n0) * BLOCK_N
+        valid, row, weight = _tile_slots(idx1_ptr, ks1_ptr, j0, hi1, QUANT, BLOCK_N)
+        j0 += width0
+    return first, valid, row, weight, _page(valid, row, BLOCK_N), j0 + tl.arange(0, BLOCK_N)
+
+
+@triton.jit
+def _page(valid, row, BLOCK_N: tl.constexpr):
+    """The first slot of a tile whose slots are one run of consecutive valid slots, else -1. The window's
+    slots of a token are such runs (two where its ring wraps): those tiles are read as one strided block
+    rather than row by row."""
+    start = tl.min(row, axis=0)
+    run = tl.sum(tl.where(valid & (row == start + tl.arange(0, BLOCK_N)), 1, 0), axis=0) == BLOCK_N
+    return tl.where(run, start, -1)
+
+
+@triton.jit
+def _tile_rows(
+    first, page, kv0_ptr, S0, kv1_ptr, S1, row, valid, d, D, DP: tl.constexpr, BF16_DOT: tl.constexpr
+):
+    """The channels ``d`` of a key tile's rows, from its pool: branches, as a select between two base
+    pointers crashes Ascend's adapter (and the pools may differ in dtype). A page of the window is one
+    strided block; the compressed pool's slots, picked by top-k, are gathered."""
+    if first:
+        if page != -1:
+            rows = gather_rows(kv0_ptr, page + tl.arange(0, row.shape[0]), valid, d, D, S0, D == DP)
         else:
-            k = k.to(tl.float32)
-        # ieee: the tf32 default on GPUs would cost ~1e-3 relative error in fp32 attention.
-        s = tl.dot(k, qt, input_precision="ieee") * scale
-        if QUANT:  # K = V = int8 * per-slot scale: the scale multiplies scores and probabilities
-            ks = tl.load(ks_ptr + row, mask=valid, other=0.0)  # in-bounds: -1 slots read row 0
-            s = s * ks[:, None]
-        s = tl.where(valid[:, None], s, _NEG)
-        m_new = tl.maximum(m, tl.max(s, axis=0))
-        alpha = tl.exp(m - m_new)
-        p = tl.where(valid[:, None], tl.exp(s - m_new[None, :]), 0.0)
-        total = total * alpha + tl.sum(p, axis=0)
-        if QUANT:
-            p = p * ks[:, None]
-        acc = tl.dot(tl.trans(p).to(k.dtype), k, acc * alpha[:, None], input_precision="ieee")
-        m = m_new
-    return m, total, acc
+            rows = gather_rows(kv0_ptr, row, valid, d, D, S0, D == DP)
+        rows = _operand(rows, BF16_DOT)
+    else:
+        rows = _operand(gather_rows(kv1_ptr, row, valid, d, D, S1, D == DP), BF16_DOT)
+    return rows
 
 
 @triton.jit
 def _finish(acc, m, total, sink):
-    """Output normalised by a denominator that holds the sink, and the lse of the scores alone."""
+    """Output normalised by a denominator that holds the sink."""
     top = tl.maximum(m, sink)
     keep = tl.exp(m - top)
     denom = total * keep + tl.exp(sink - top)  # 0 only with no valid slot and sink = -inf (acc is 0 then)
-    out = acc * (keep / tl.where(denom > 0, denom, 1.0))[:, None]
-    lse = tl.where(total > 0, m + tl.log(tl.where(total > 0, total, 1.0)), float("-inf"))
-    return out, lse
+    return acc * (keep / tl.where(denom > 0, denom, 1.0))[:, None]
+
+
+@triton.jit
+def _lse(m, total):
+    """The log-sum-exp of the scores alone (the sink excluded), -inf without valid slot."""
+    return tl.where(total > 0, m + tl.log(tl.where(total > 0, total, 1.0)), float("-inf"))
 
 
 @triton.jit(do_not_specialize=["T", "K0", "K1"])
@@ -264,6 +318,7 @@ def _sparse_attn_kernel(
     lse_ptr,
     part_ptr,
     part_ml_ptr,
+    ws_ptr,
     T,
     H,
     D,
@@ -275,76 +330,85 @@ def _sparse_attn_kernel(
     QUANT: tl.constexpr,
     BF16_DOT: tl.constexpr,
     DP: tl.constexpr,
-    SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    SPLITS: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
-    head_blocks = tl.cdiv(H, BLOCK_H)
+    DS: tl.constexpr = BLOCK_D if BLOCK_D < DP else DP
+    head_tiles = tl.cdiv(H, BLOCK_H)
     # Chunks of whole tiles, so only the last chunk of a pool has a ragged tile.
     chunk0 = tl.cdiv(tl.cdiv(K0, SPLITS), BLOCK_N) * BLOCK_N
     chunk1 = tl.cdiv(tl.cdiv(K1, SPLITS), BLOCK_N) * BLOCK_N
-    d = tl.arange(0, DP)
-    d_ok = d < D
-    for task in range(tl.program_id(0), T * head_blocks * SPLITS, tl.num_programs(0)):
+    # The program's workspace: a row of scores per head, each pool's slots padded to whole tiles, so every
+    # tile is stored and loaded without a mask.
+    width0 = tl.cdiv(K0, BLOCK_N) * BLOCK_N
+    width = width0 + tl.cdiv(K1, BLOCK_N) * BLOCK_N
+    ws = ws_ptr + (tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H))[:, None] * width
+    for task in range(tl.program_id(0), T * head_tiles * SPLITS, tl.num_programs(0)):
         split = task % SPLITS
-        t = task // SPLITS // head_blocks
-        h = (task // SPLITS % head_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
+        t = task // SPLITS // head_tiles
+        h = (task // SPLITS % head_tiles) * BLOCK_H + tl.arange(0, BLOCK_H)
         h_ok = h < H
         rows = t * H + h
-        qt = tl.load(q_ptr + rows[None, :] * D + d[:, None], mask=d_ok[:, None] & h_ok[None, :], other=0.0)
-        if BF16_DOT:
-            qt = qt.to(tl.bfloat16)
-        else:
-            qt = qt.to(tl.float32)
+        lo0 = split * chunk0
+        hi0 = tl.minimum(lo0 + chunk0, K0)
+        lo1 = split * chunk1
+        hi1 = tl.minimum(lo1 + chunk1, K1)
+        idx0 = idx0_ptr + t * K0
+        idx1 = idx1_ptr + t * K1
         m = tl.full([BLOCK_H], _NEG, tl.float32)
         total = tl.zeros([BLOCK_H], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_H, DP], dtype=tl.float32)
-        lo0 = split * chunk0
-        m, total, acc = _attend(
-            qt,
-            m,
-            total,
-            acc,
-            kv0_ptr,
-            ks0_ptr,
-            idx0_ptr + t * K0,
-            lo0,
-            tl.minimum(lo0 + chunk0, K0),
-            D,
-            S0,
-            scale,
-            QUANT,
-            BF16_DOT,
-            BLOCK_N,
-            DP,
-        )
-        lo1 = split * chunk1
-        m, total, acc = _attend(
-            qt,
-            m,
-            total,
-            acc,
-            kv1_ptr,
-            ks1_ptr,
-            idx1_ptr + t * K1,
-            lo1,
-            tl.minimum(lo1 + chunk1, K1),
-            D,
-            S1,
-            scale,
-            QUANT,
-            BF16_DOT,
-            BLOCK_N,
-            DP,
-        )
+        n0 = tl.cdiv(tl.maximum(hi0 - lo0, 0), BLOCK_N)
+        n_tiles = n0 + tl.cdiv(tl.maximum(hi1 - lo1, 0), BLOCK_N)
+        tl.debug_barrier()  # the previous task has read the workspace
+        # Pass 1: the scores of each key tile, contracted over slices of DS channels (the query in its
+        # natural layout), to the workspace; the running max and sum of exponentials.
+        for i in range(0, n_tiles):
+            first, valid, row, weight, page, col = _tile(
+                i, n0, lo0, hi0, idx0, ks0_ptr, lo1, hi1, idx1, ks1_ptr, width0, QUANT, BLOCK_N
+            )
+            s = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
+            for d0 in range(0, D, DS):
+                d = d0 + tl.arange(0, DS)
+                q_mask = h_ok[:, None] & (d < D)[None, :]
+                q = _operand(
+                    tl.load(q_ptr + rows[:, None] * D + d[None, :], mask=q_mask, other=0.0), BF16_DOT
+                )
+                k = _tile_rows(first, page, kv0_ptr, S0, kv1_ptr, S1, row, valid, d, D, DP, BF16_DOT)
+                # ieee: the tf32 default on GPUs would cost ~1e-3 relative error in fp32 attention.
+                s = tl.dot(q, tl.trans(k), s, input_precision="ieee")
+            s = tl.where(valid[None, :], s * (scale * weight)[None, :], _NEG)
+            tl.store(ws + col[None, :], s)
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            p = tl.where(valid[None, :], tl.exp(s - m_new[:, None]), 0.0)
+            total = total * tl.exp(m - m_new) + tl.sum(p, axis=1)
+            m = m_new
+        tl.debug_barrier()  # the scores are written before any lane reads them
+        sink = tl.load(sink_ptr + h, mask=h_ok, other=0.0)
+        part = rows * SPLITS + split
+        # Pass 2, a slice of DS output channels at a time: acc += exp(s - m) v with the final max m, so
+        # nothing is rescaled. An invalid slot gathers a zero row: whatever its weight, it adds nothing (a
+        # row without valid slot has m = _NEG and weights 1).
+        for d0 in range(0, D, DS):
+            d = d0 + tl.arange(0, DS)
+            mask = h_ok[:, None] & (d < D)[None, :]
+            acc = tl.zeros([BLOCK_H, DS], dtype=tl.float32)
+            for i in range(0, n_tiles):
+                first, valid, row, weight, page, col = _tile(
+                    i, n0, lo0, hi0, idx0, ks0_ptr, lo1, hi1, idx1, ks1_ptr, width0, QUANT, BLOCK_N
+                )
+                p = tl.exp(tl.load(ws + col[None, :]) - m[:, None]) * weight[None, :]
+                v = _tile_rows(first, page, kv0_ptr, S0, kv1_ptr, S1, row, valid, d, D, DP, BF16_DOT)
+                acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
+            if SPLITS == 1:
+                out = _finish(acc, m, total, sink).to(out_ptr.dtype.element_ty)
+                tl.store(out_ptr + rows[:, None] * D + d[None, :], out, mask=mask)
+            else:
+                tl.store(part_ptr + part[:, None] * D + d[None, :], acc, mask=mask)
         if SPLITS == 1:
-            out, lse = _finish(acc, m, total, tl.load(sink_ptr + h, mask=h_ok, other=0.0))
-            mask = h_ok[:, None] & d_ok[None, :]
-            tl.store(out_ptr + rows[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
-            tl.store(lse_ptr + rows, lse, mask=h_ok)
+            tl.store(lse_ptr + rows, _lse(m, total), mask=h_ok)
         else:
-            part = rows * SPLITS + split
-            tl.store(part_ptr + part[:, None] * D + d[None, :], acc, mask=h_ok[:, None] & d_ok[None, :])
             tl.store(part_ml_ptr + 2 * part, m, mask=h_ok)
             tl.store(part_ml_ptr + 2 * part + 1, total, mask=h_ok)
 
@@ -378,9 +442,10 @@ def _merge_kernel(
         w = tl.exp(m_s - m)
         acc = tl.sum(w[:, None] * acc_s, axis=0)[None, :]
         one = tl.zeros([1], dtype=tl.float32)  # the epilogue works on rows: a row of one head
-        out, lse = _finish(acc, one + m, one + tl.sum(w * l_s, axis=0), one + tl.load(sink_ptr + row % H))
+        total = one + tl.sum(w * l_s, axis=0)
+        out = _finish(acc, one + m, total, one + tl.load(sink_ptr + row % H))
         tl.store(out_ptr + row * D + d[None, :], out.to(out_ptr.dtype.element_ty), mask=d_ok[None, :])
-        tl.store(lse_ptr + row + tl.arange(0, 1), lse)
+        tl.store(lse_ptr + row + tl.arange(0, 1), _lse(one + m, total))
 
 
 def sparse_attention_triton(
@@ -400,27 +465,33 @@ def sparse_attention_triton(
     if t == 0:
         return out, lse
     (kv0, ks0, idx0), (kv1, ks1, idx1) = _pool_operands(pools, sink)
+    block_h = head_tile(h)
     consts = {
         "QUANT": kv0.dtype == torch.int8,
         # The interpreter stores bf16 as uint16: its bf16 dots are wrong.
         "BF16_DOT": q.dtype == torch.bfloat16 and not runtime.interpreter_active(),
         "DP": _pad(d),
+        "BLOCK_H": block_h,
     }
+    tasks = t * triton.cdiv(h, block_h)
+    k0, k1 = idx0.shape[1], idx1.shape[1]
+    # One workspace per program, as wide as the widest tiles of any config pad the slots to.
+    width = triton.cdiv(k0, _MAX_BLOCK_N) * _MAX_BLOCK_N + triton.cdiv(k1, _MAX_BLOCK_N) * _MAX_BLOCK_N
+    programs = runtime.grid(tasks * _MAX_SPLITS, uses_cube=True)[0]
+    ws = torch.empty(max(1, programs * block_h * width), dtype=torch.float32, device=q.device)
     operands = (q, kv0, ks0, idx0, kv1, ks1, idx1, sink)
-    sizes = (t, h, d, idx0.shape[1], idx1.shape[1], kv0.stride(0), kv1.stride(0), scale)
+    sizes = (t, h, d, k0, k1, kv0.stride(0), kv1.stride(0), scale)
     if split is None:
         split = decode_split(t, h)
     if not split:
-        _prefill_tuned[lambda meta: _prefill_tuned.grid(t * triton.cdiv(h, meta["BLOCK_H"]))](
-            *operands, out, lse, out, lse, *sizes, **consts
-        )
+        _prefill_tuned[_prefill_tuned.grid(tasks)](*operands, out, lse, out, lse, ws, *sizes, **consts)
     else:
         rows = t * h * _MAX_SPLITS
         part = torch.empty((rows, d), dtype=torch.float32, device=q.device)
         part_ml = torch.empty((rows, 2), dtype=torch.float32, device=q.device)
-        chosen = _decode_tuned[
-            lambda meta: _decode_tuned.grid(t * triton.cdiv(h, meta["BLOCK_H"]) * meta["SPLITS"])
-        ](*operands, out, lse, part, part_ml, *sizes, **consts)
+        chosen = _decode_tuned[lambda meta: _decode_tuned.grid(tasks * meta["SPLITS"])](
+            *operands, out, lse, part, part_ml, ws, *sizes, **consts
+        )
         _merge_tuned[_merge_tuned.grid(t * h)](
             part, part_ml, sink, out, lse, t, h, d, chosen.params["SPLITS"], SP=_MAX_SPLITS, DP=_pad(d)
         )
@@ -429,9 +500,14 @@ def sparse_attention_triton(
     return out, lse
 
 
+def head_tile(heads: int) -> int:
+    """Heads per task: all of a token's up to ``MAX_HEAD_TILE``, at least the 16 ``tl.dot`` needs."""
+    return min(MAX_HEAD_TILE, max(_MIN_BLOCK_H, triton.next_power_of_2(heads)))
+
+
 def decode_split(tokens: int, heads: int) -> bool:
-    """Whether the (token, head block) tasks are too few to fill the cores: split the slots instead."""
-    return tokens * triton.cdiv(heads, _MIN_BLOCK_H) < runtime.num_aicore()
+    """Whether the (token, head tile) tasks are too few to fill the cores: split the slots instead."""
+    return tokens * triton.cdiv(heads, head_tile(heads)) < runtime.num_aicore()
 
 
 def _pool_operands(pools: Sequence[KVPool], sink: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], ...]:
@@ -455,27 +531,29 @@ def _pad(d: int) -> int:
     return max(16, triton.next_power_of_2(d))
 
 
-# Footprints at D = 512: the transposed query and the accumulator [BLOCK_H, DP] fp32, a [BLOCK_N, DP] fp32
-# key tile per pool loop (both counted, one is live), score, probability and mask tiles [BLOCK_N, BLOCK_H].
-# Larger tiles do not fit the unified buffer at D = 512, even single-buffered; the output's de-rotation
-# is a pass of its own (rope) as its even, odd and joined halves would add a quarter of the buffer.
+# Footprints at D = 512 and the widest head tile: each pass loads a [BLOCK_N, BLOCK_D] key tile as a page
+# of the window, by rows of the window or by rows of the compressed pool (6 buffers, one live), the query
+# slice and the value accumulator [BLOCK_H, BLOCK_D], the stored and the loaded scores [BLOCK_H, BLOCK_N]
+# with their masks. The IR estimates BLOCK_D = 128 or BLOCK_N = 128 at 325 and 331 KiB, over the buffer.
 _DP = MAX_DIM
 _MAX_SPLITS = 8
 
 
-def _attn_ub(block_h: int, block_n: int) -> int:
-    return 4 * _DP * (2 * block_h + 2 * block_n) + 4 * 16 * block_h * block_n
+def _attn_ub(block_n: int, block_d: int) -> int:
+    bh = MAX_HEAD_TILE
+    return 4 * (6 * block_n * block_d + 2 * bh * block_d + 2 * bh * block_n) + 3 * bh * block_n
 
 
 def _attn_configs(shapes: tuple[tuple[int, int, int], ...]) -> tuple[TuneConfig, ...]:
     return tuple(
-        TuneConfig({"SPLITS": s, "BLOCK_H": bh, "BLOCK_N": bn}, _attn_ub(bh, bn), multibuffer=False)
-        for s, bh, bn in shapes
+        TuneConfig({"SPLITS": s, "BLOCK_N": bn, "BLOCK_D": bd}, _attn_ub(bn, bd), multibuffer=False)
+        for s, bn, bd in shapes
     )
 
 
-_PREFILL_CONFIGS = _attn_configs(((1, _MIN_BLOCK_H, 16),))
-_DECODE_CONFIGS = _attn_configs(tuple((s, _MIN_BLOCK_H, 16) for s in (2, 4, _MAX_SPLITS)))
+_PREFILL_CONFIGS = _attn_configs(((1, 64, 64),))
+_DECODE_CONFIGS = _attn_configs(tuple((s, 64, 64) for s in (2, 4, _MAX_SPLITS)))
+_MAX_BLOCK_N = max(c.params["BLOCK_N"] for c in (*_PREFILL_CONFIGS, *_DECODE_CONFIGS))
 # The partial tile and its weighted copy [SP, DP], then the output row and its rotation temporaries.
 _MERGE_CONFIGS = (TuneConfig({}, 4 * (2 * _MAX_SPLITS * _DP + 8 * _DP)),)
 
@@ -491,6 +569,7 @@ def _attn_signature(q: str, kv0: str, kv1: str) -> dict[str, str]:
         "lse_ptr": "*fp32",
         "part_ptr": "*fp32",
         "part_ml_ptr": "*fp32",
+        "ws_ptr": "*fp32",
         **dict.fromkeys(("T", "H", "D", "K0", "K1", "S0", "S1"), "i32"),
         "scale": "fp32",
     }
@@ -515,7 +594,10 @@ def _merge_signature(out: str) -> dict[str, str]:
 
 
 _ATTN_VARIANTS = tuple(
-    Variant({"QUANT": quant, "BF16_DOT": bf16, "DP": _DP}, tuple(_attn_signature(*d) for d in dtypes))
+    Variant(
+        {"QUANT": quant, "BF16_DOT": bf16, "DP": _DP, "BLOCK_H": MAX_HEAD_TILE},
+        tuple(_attn_signature(*d) for d in dtypes),
+    )
     for (quant, bf16), dtypes in _VARIANTS.items()
 )
 _prefill_tuned = tuning.TunedKernel(

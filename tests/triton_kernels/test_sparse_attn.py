@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from triton_kernels import runtime
+from triton_kernels import runtime, sparse_attn
 from triton_kernels.quant import dequantize_int8, quantize_int8_ref
 from triton_kernels.rope import apply_rope_ref, rope_inv_freq
 from triton_kernels.sparse_attn import KVPool, sparse_attention, sparse_attention_ref, sparse_attention_triton
@@ -192,3 +192,34 @@ def test_pools_that_are_column_ranges_of_a_buffer_are_read_in_place(split: bool,
     monkeypatch.setattr(torch.Tensor, "contiguous", lambda t, *a: copied.append(t.shape) or contiguous(t, *a))
     _check(q, strided, sink, _rope(4), split, atol=1e-5)
     assert (SLOTS, 64) not in copied, "a pool was copied"
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["prefill", "decode"])
+@pytest.mark.parametrize("kind", ["fp32", "bf16", "int8"])
+def test_heads_past_one_tile_and_ragged_key_tiles(kind: str, split: bool) -> None:
+    # 80 heads: a full tile of MAX_HEAD_TILE and a second one mostly padding; 70 and 5 slots: a ragged last
+    # key tile in each pool; a head dim of 48: a ragged channel slice; and a row without valid slot.
+    h = sparse_attn.MAX_HEAD_TILE + 16
+    q, pools, sink = _case(2, h, 48, 70, 5, kind, seed=11)
+    _check(q, pools, sink, None, split, atol=1e-2 if kind == "bf16" else 1e-5)
+
+
+@pytest.mark.parametrize("config", sparse_attn._DECODE_CONFIGS, ids=lambda c: f"SPLITS={c.params['SPLITS']}")
+def test_every_decode_split_merges_to_the_reference(config) -> None:
+    # With 8 splits of whole key tiles most splits of these pools are empty: the merge must ignore them.
+    q, pools, sink = _case(3, 4, 64, 70, 130, "fp32", seed=13)
+    with sparse_attn._decode_tuned.forced(config):
+        _check(q, pools, sink, _rope(3), split=True, atol=1e-5)
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["prefill", "decode"])
+@pytest.mark.parametrize("kind", ["fp32", "int8"])
+def test_window_slots_in_runs_are_read_as_pages(kind: str, split: bool) -> None:
+    # A ring serves the window's slots: whole tiles of consecutive slots (pages), a tile wrapping past the
+    # last slot, and a window not full yet, whose first tile is partly invalid.
+    q, pools, sink = _case(3, 4, 64, 128, 40, kind, seed=15)
+    start = torch.tensor([0, SLOTS - 100, 300])
+    window = ((start[:, None] + torch.arange(128)) % SLOTS).to(torch.int32)
+    window[2, :70] = -1
+    pages = [KVPool(pools[0].kv, window, pools[0].scale), pools[1]]
+    _check(q, pages, sink, _rope(3), split, atol=1e-5)
