@@ -247,47 +247,28 @@ def compress_ref(
     out: torch.Tensor,
     out_scale: torch.Tensor | None = None,
 ) -> None:
-    # Every request at once: its sequence is its held rows then its new rows. The windows that close are
-    # pooled first (they read the held rows); then the new rows past a request's last closed window are
-    # its open window's: written to the buffer after the held ones, which stay where they are.
-    r = params.ratio
-    cu, start = batch.cu_seqlens.long(), batch.start.long()
-    held = start % r if states is not None else torch.zeros_like(start)
-    windows = (held + cu.diff()) // r
-    win_req, w = _ragged(windows)
-    if len(win_req):
-        _pool_windows(kv, gate, batch, states, params, out, out_scale, held, (win_req, w))
-    if states is not None:
-        req, i = _ragged(cu.diff())
-        j = held[req] + i - windows[req] * r  # the row's place in its request's open window
-        opened, sid = j >= 0, batch.state_ids.long()[req]
-        states.buffer_kv[sid[opened], j[opened]] = kv[opened].float()
-        if gate is not None:
-            states.buffer_gate[sid[opened], j[opened]] = gate[opened].float()
-
-
-def _pool_windows(
-    kv: torch.Tensor,
-    gate: torch.Tensor | None,
-    batch: CompressBatch,
-    states: CompressorStates | None,
-    params: CompressorParams,
-    out: torch.Tensor,
-    out_scale: torch.Tensor | None,
-    held: torch.Tensor,
-    closing: tuple[torch.Tensor, torch.Tensor],
-) -> None:
-    """The entries of the closing windows (``closing``: each one's request and index in its request),
-    gathered as ``[G, r, W]`` from the new and the buffered rows; with overlap, the new Ca slices."""
+    # Every request at once: its sequence is its held rows then its new rows; the rows of its closed windows
+    # (gathered as ``[G, r, W]``) are picked from the new and the held rows, copied before the new rows past
+    # its last closed window (its open window's) go to the buffer after the held ones, which stay in place.
     r, c, n = params.ratio, params.norm_weight.numel(), kv.shape[0]
     cu, start, sid = batch.cu_seqlens.long(), batch.start.long(), batch.state_ids.long()
+    held = start % r if states is not None else torch.zeros_like(start)
     windows, first = (held + cu.diff()) // r, start // r
-    win_req, w = closing
     buffered = (states.buffer_kv, states.buffer_gate) if states is not None else (kv.float()[:0, None],) * 2
     all_kv = torch.cat([kv.float(), buffered[0].flatten(0, 1)])
     # No gate (ratio 1): one slot of weight 1.
     all_z = torch.cat([gate.float(), buffered[1].flatten(0, 1)]) if gate is not None else None
-    # Row of element k of request req's sequence: buffered row k of its state, or a new row.
+    if states is not None:
+        req, i = _ragged(cu.diff())
+        j = held[req] + i - windows[req] * r  # the row's place in its request's open window
+        opened = j >= 0
+        states.buffer_kv[sid[req[opened]], j[opened]] = kv[opened].float()
+        if gate is not None:
+            states.buffer_gate[sid[req[opened]], j[opened]] = gate[opened].float()
+    win_req, w = _ragged(windows)
+    if not len(win_req):  # nothing closes: the overlap slices stay
+        return
+    # Row of element k of request req's sequence: held row k of its state, or a new row.
     req, k = _ragged(windows * r)
     rows = torch.where(k < held[req], n + sid[req] * (r - 1) + k, cu[req] + k - held[req])
     win_kv = all_kv.index_select(0, rows).view(-1, r, all_kv.shape[1])
