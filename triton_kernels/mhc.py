@@ -32,8 +32,6 @@ Kernels
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import torch
 import triton
@@ -148,19 +146,13 @@ def hc_coeffs_ref(
     sinkhorn_iters: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     n = x.shape[1]
-    # The pre, post and comb columns of the mix, each scaled by its own entry of ``scale``.
-    z = _normed_mix(x, fn, norm_eps) * scale[_scale_index(n, scale.device)] + base
-    gates = torch.sigmoid(z[:, : 2 * n])
-    pre, post = gates[:, :n] + hc_eps, 2 * gates[:, n:]
-    logits = z[:, 2 * n :].view(-1, n, n)
+    mu = _normed_mix(x, fn, norm_eps)
+    pre = torch.sigmoid(mu[:, :n] * scale[0] + base[:n]) + hc_eps
+    post = 2 * torch.sigmoid(mu[:, n : 2 * n] * scale[1] + base[n : 2 * n])
+    logits = (mu[:, 2 * n :] * scale[2] + base[2 * n :]).view(-1, n, n)
     comb = torch.softmax(logits, dim=-1).add_(hc_eps).permute(1, 2, 0).contiguous()
     _sinkhorn_(comb, hc_eps, sinkhorn_iters)
     return pre, post, comb.permute(2, 0, 1).contiguous()
-
-
-@functools.lru_cache(maxsize=8)
-def _scale_index(n: int, device: torch.device) -> torch.Tensor:
-    return torch.tensor([0] * n + [1] * n + [2] * n * n, device=device)
 
 
 def _sinkhorn_(comb: torch.Tensor, hc_eps: float, iters: int) -> None:
