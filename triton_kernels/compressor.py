@@ -254,10 +254,13 @@ def compress_ref(
     cu, start, sid = batch.cu_seqlens.long(), batch.start.long(), batch.state_ids.long()
     held = start % r if states is not None else torch.zeros_like(start)
     windows, first = (held + cu.diff()) // r, start // r
-    buffered = (states.buffer_kv, states.buffer_gate) if states is not None else (kv.float()[:0, None],) * 2
-    all_kv = torch.cat([kv.float(), buffered[0].flatten(0, 1)])
-    # No gate (ratio 1): one slot of weight 1.
-    all_z = torch.cat([gate.float(), buffered[1].flatten(0, 1)]) if gate is not None else None
+    win_req, w = _ragged(windows)
+    if len(win_req):  # copied only when a window closes: the copy is of every request's held rows
+        stateless = (kv.float()[:0, None],) * 2
+        held_kv, held_z = (states.buffer_kv, states.buffer_gate) if states is not None else stateless
+        all_kv = torch.cat([kv.float(), held_kv.flatten(0, 1)])
+        # No gate (ratio 1): one slot of weight 1.
+        all_z = torch.cat([gate.float(), held_z.flatten(0, 1)]) if gate is not None else None
     if states is not None:
         req, i = _ragged(cu.diff())
         j = held[req] + i - windows[req] * r  # the row's place in its request's open window
@@ -265,7 +268,6 @@ def compress_ref(
         states.buffer_kv[sid[req[opened]], j[opened]] = kv[opened].float()
         if gate is not None:
             states.buffer_gate[sid[req[opened]], j[opened]] = gate[opened].float()
-    win_req, w = _ragged(windows)
     if not len(win_req):  # nothing closes: the overlap slices stay
         return
     # Row of element k of request req's sequence: held row k of its state, or a new row.
