@@ -179,12 +179,10 @@ def moe_gemm_ref(
     quantises the integer formats' activations per row (the tokens, then the SwiGLU output)."""
     t, k = topk_ids.shape
     routing = sort_by_expert(topk_ids, topk_weights, experts.num_experts)
-    rows, weights = x[routing.tokens].float(), routing.weights[:, None]  # gathered once, sliced per expert
+    rows, weights = x[routing.tokens].float(), routing.weights[:, None]  # gathered once, in expert order
     stacks = (experts.w1, experts.w3, experts.w2)
-    if all(w.format == DENSE and w.data.dtype == torch.float32 for w in stacks):
-        y = _fp32_experts(rows, routing, experts) * weights
-    else:
-        y = _decoded_experts(rows, routing, experts) * weights
+    fp32 = all(w.format == DENSE and w.data.dtype == torch.float32 for w in stacks)
+    y = (_fp32_experts if fp32 else _decoded_experts)(rows, routing, experts) * weights
     return y[routing.inverse].view(t, k, x.shape[1]).sum(1).to(x.dtype)
 
 
