@@ -467,11 +467,7 @@ def _operands(queries: IndexQueries, pool: KeyPool) -> tuple[torch.Tensor, ...]:
 
 def _tiles(queries: IndexQueries) -> dict[str, int]:
     _, h, d = queries.q.shape
-    return {"QUANT": queries.q.dtype == torch.int8, "HP": _pad(h), "DP": _pad(d)}
-
-
-def _pad(n: int) -> int:
-    return max(16, triton.next_power_of_2(n))  # tl.dot needs every dimension >= 16
+    return {"QUANT": queries.q.dtype == torch.int8, "HP": runtime.dot_dim(h), "DP": runtime.dot_dim(d)}
 
 
 def indexer_logits_triton(queries: IndexQueries, pool: KeyPool) -> torch.Tensor:

@@ -275,9 +275,9 @@ def _hc_mix_kernel(
 
 
 def _mix_layout(n: int) -> tuple[int, int]:
-    """(NP, R_PAD): slots per row, padded; rows for comb, pre and post, padded (dot width >= 16)."""
+    """(NP, R_PAD): slots per row, padded; rows for comb, pre and post, padded to a dot width."""
     np_ = triton.next_power_of_2(n)
-    width = max(16, triton.next_power_of_2(np_ * (np_ + 2)))
+    width = runtime.dot_dim(np_ * (np_ + 2))
     return np_, width // np_
 
 

@@ -143,6 +143,11 @@ def fits(config: TuneConfig) -> bool:
     return config.resident_bytes <= onchip_bytes()
 
 
+def dot_dim(n: int) -> int:
+    """``n`` padded for a ``tl.dot`` operand: a power of two, and at least the 16 ``tl.dot`` needs."""
+    return max(16, triton.next_power_of_2(n))
+
+
 def grid(n_tasks: int, uses_cube: bool) -> tuple[int]:
     """Persistent 1-D grid: one program per AI core (cube kernels) or vector core, never more than tasks."""
     cores = num_aicore() if uses_cube else num_vectorcore()

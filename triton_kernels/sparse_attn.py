@@ -70,7 +70,6 @@ _KV_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _MAX_NUMEL = 2**31 - 1  # offsets are int32 inside the kernels
 _NEG = tl.constexpr(-1.0e30)  # finite running-max sentinel
-_MIN_BLOCK_H = 16  # tl.dot needs every dimension >= 16
 MAX_HEAD_TILE = 64  # heads per task: 128 would need a [128, BLOCK_N] score tile per pool loop
 
 
@@ -470,7 +469,7 @@ def sparse_attention_triton(
         "QUANT": kv0.dtype == torch.int8,
         # The interpreter stores bf16 as uint16: its bf16 dots are wrong.
         "BF16_DOT": q.dtype == torch.bfloat16 and not runtime.interpreter_active(),
-        "DP": _pad(d),
+        "DP": runtime.dot_dim(d),
         "BLOCK_H": block_h,
     }
     tasks = t * triton.cdiv(h, block_h)
@@ -493,7 +492,7 @@ def sparse_attention_triton(
             *operands, out, lse, part, part_ml, ws, *sizes, **consts
         )
         _merge_tuned[_merge_tuned.grid(t * h)](
-            part, part_ml, sink, out, lse, t, h, d, chosen.params["SPLITS"], SP=_MAX_SPLITS, DP=_pad(d)
+            part, part_ml, sink, out, lse, t, h, d, chosen.params["SPLITS"], SP=_MAX_SPLITS, DP=consts["DP"]
         )
     if inv_freq is not None:  # only the RoPE channels: a pass of their own keeps the attention tile small
         rotate_rope_channels_triton(out, positions, inv_freq, inverse=True)
@@ -502,7 +501,7 @@ def sparse_attention_triton(
 
 def head_tile(heads: int) -> int:
     """Heads per task: all of a token's up to ``MAX_HEAD_TILE``, at least the 16 ``tl.dot`` needs."""
-    return min(MAX_HEAD_TILE, max(_MIN_BLOCK_H, triton.next_power_of_2(heads)))
+    return min(MAX_HEAD_TILE, runtime.dot_dim(heads))
 
 
 def decode_split(tokens: int, heads: int) -> bool:
@@ -525,10 +524,6 @@ def _pool_operands(pools: Sequence[KVPool], sink: torch.Tensor) -> tuple[tuple[t
         kv, scale, idx = ops[0]
         ops.append((kv, scale, idx[:, :0].contiguous()))
     return tuple(ops)
-
-
-def _pad(d: int) -> int:
-    return max(16, triton.next_power_of_2(d))
 
 
 # Footprints at D = 512 and the widest head tile: each pass loads a [BLOCK_N, BLOCK_D] key tile as a page
