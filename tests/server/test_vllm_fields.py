@@ -100,7 +100,8 @@ def test_reasoning_comes_under_both_names(server: Served):
 
 def test_neutral_values_of_unsupported_fields_are_accepted(server: Served):
     body = {"model": MODEL, "messages": [USER], "max_tokens": 2, "use_beam_search": False, "echo": False,
-            "include_stop_str_in_output": False, "length_penalty": 1.0}  # fmt: skip
+            "include_stop_str_in_output": False, "length_penalty": 1.0, "suffix": None, "prompt_logprobs": None,
+            "chat_template": None, "continue_final_message": None}  # fmt: skip
     assert server.http().post("/v1/chat/completions", json=body).status_code == 200
 
 
@@ -114,6 +115,9 @@ def test_generation_config_defaults_fill_only_the_unset_fields():
     given = ChatCompletionRequest.model_validate({"messages": [USER], "temperature": 1.0, "top_k": -1})
     params = given.sampling_params(4, None, 0, defaults)
     assert (params.temperature, params.top_p, params.top_k) == (1.0, 0.8, 0)
+    nulls = ChatCompletionRequest.model_validate({"messages": [USER], "temperature": None, "top_k": None})
+    params = nulls.sampling_params(4, None, 0, defaults)  # null is unset: the defaults fill it
+    assert (params.temperature, params.top_p, params.top_k) == (0.3, 0.8, 20)
 
 
 def test_a_thinking_budget_closes_the_reasoning_and_the_answer_follows(server: Served):
