@@ -146,6 +146,7 @@ class _Body(_Schema):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk has the usage so far
 
 
 class JSONSchemaFormat(_Strict):
@@ -221,6 +222,11 @@ class Sampling(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # an end-user id for abuse tracking: accepted, not used
+
+    def stream_usage(self) -> tuple[bool, bool]:
+        """(a last chunk with the usage, the usage so far in every chunk): what `stream_options` asks."""
+        options = self.stream_options or StreamOptions()
+        return options.include_usage, options.include_usage and options.continuous_usage_stats
 
     def check(self) -> None:
         """What the field types alone do not say."""
