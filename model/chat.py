@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,18 +76,27 @@ def _finite_float(text: str) -> float:
     return value
 
 
+def _integer(text: str) -> int | float:
+    """An integer; one too long for int() (Python refuses over 4300 digits) as an infinite float, so that
+    the caller that locates out-of-range numbers names its field."""
+    if len(text) <= sys.get_int_max_str_digits():
+        return int(text)
+    return -math.inf if text.startswith("-") else math.inf
+
+
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
 def loads_strict(text: str, finite: bool = True) -> Any:
     """json.loads without NaN/Infinity, duplicate object keys or (unless `finite` is False, for a caller
-    that locates them itself) out-of-range floats such as 1e400; raises ValueError."""
+    that locates them itself) out-of-range numbers such as 1e400; raises ValueError."""
     return json.loads(
         text,
         object_pairs_hook=_no_duplicate_keys,
         parse_constant=_reject_constant,
         parse_float=_finite_float if finite else float,
+        parse_int=int if finite else _integer,
     )
 
 

@@ -91,6 +91,12 @@ for name, (path, base) in NUMERIC.items():
             path, with_literal(base, name, literal), param=name if named else None
         )
 
+# Integers longer than Python's int() takes (4300 digits) are out of range too, located as any other.
+for sign in ("", "-"):
+    CASES[f"seed of {sign}5000 digits"] = Case(
+        CHAT, with_literal(chat(), "seed", sign + "9" * 5000), param="seed"
+    )
+
 # ---- ranges: finite numbers the sampler cannot use -----------------------------------------------------
 RANGES = {
     "seed 2**64": chat(seed=2**64),
