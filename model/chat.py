@@ -225,6 +225,12 @@ def _tools_section(tools: Any, profile: ChatProfile) -> str:
         if name in names:
             raise ChatFormatError(f"tools[{k}].function.name", f"duplicate tool name {name!r}")
         names.add(name)
+        for key, kind, what in (
+            ("description", str, "a string"),
+            ("parameters", dict, "a JSON schema object"),
+        ):
+            if tool["function"].get(key) is not None and not isinstance(tool["function"][key], kind):
+                raise ChatFormatError(f"tools[{k}].function.{key}", f"must be {what}")
         schemas.append(_json_section(tool["function"], f"tools[{k}].function"))
     return profile.tools_section("\n".join(schemas))
 

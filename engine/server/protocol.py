@@ -264,8 +264,9 @@ class Sampling(_Body):
                 min_tokens=self.min_tokens,
                 skip_special_tokens=self.skip_special_tokens,
             )
-        except ValueError as err:
-            raise APIError(str(err)) from None
+        except ValueError as err:  # its message starts with the field: "min_tokens=3 must be ..."
+            field = str(err).split("=", 1)[0]
+            raise APIError(str(err), param=field if field in self.model_fields else None) from None
 
     def token_bias(self, vocab_size: int) -> dict[int, float] | None:
         if not self.logit_bias:

@@ -145,7 +145,7 @@ TYPES = {
     "use_beam_search": (CHAT, chat(use_beam_search=True), "use_beam_search"),
     "a chat template of its own": (CHAT, chat(chat_template="{{ messages }}"), "chat_template"),
     "guided_regex": (COMPLETIONS, completion(guided_regex="a+"), "guided_regex"),
-    "min_tokens over max_tokens": (CHAT, chat(min_tokens=5), None),
+    "min_tokens over max_tokens": (CHAT, chat(min_tokens=5), "min_tokens"),
     "stop_token_ids negative": (CHAT, chat(stop_token_ids=[-1]), "stop_token_ids"),
     "chat_template_kwargs thinking string": (
         CHAT,
