@@ -171,7 +171,7 @@ class OpenAIServer:
         if ignored := parsed.ignored_fields():
             log.warning("ignoring unknown request fields: %s", ", ".join(ignored))
         name = getattr(parsed, "model", None)
-        if name is not None:
+        if name:  # no name or an empty one: the served model, as vLLM
             self.check_model(name)
         return parsed
 

@@ -501,6 +501,7 @@ ODD_BUT_VALID = {
     "logit_bias on every listed token": chat(logit_bias={str(t): -100 for t in range(1024)}),
     "stop of the maximum length": chat(stop=["y" * 1024] * 16),
     "no Content-Type header": completion(),
+    "model an empty string": chat(model=""),
     # JSON has one kind of number: a whole float is an integer (vLLM takes it too).
     "integers written as floats": chat(max_tokens=2.0, n=2.0, seed=1e3, top_k=-1.0, min_tokens=0.0),
     "token ids written as floats": completion(prompt=[5.0, 6.0], logprobs=1.0),
