@@ -159,6 +159,8 @@ class LLM:
         the outputs' text is the model's raw reply (reasoning and tool calls unparsed), as vLLM's."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         kwargs = chat_template_kwargs or {}
+        if not isinstance(kwargs.get("thinking", False), bool):
+            raise ValueError(f"chat_template_kwargs thinking={kwargs['thinking']!r} must be true or false")
         rendered = [
             encode_messages(
                 conversation,

@@ -85,6 +85,11 @@ def test_a_bad_prompt_is_a_value_error_that_leaves_nothing_behind(llm: LLM, prom
     assert after.outputs[0].token_ids == before.outputs[0].token_ids
 
 
+def test_chat_template_kwargs_thinking_must_be_a_bool(llm: LLM):
+    with pytest.raises(ValueError, match="thinking='yes' must be true or false"):
+        llm.chat([{"role": "user", "content": "Hi"}], GREEDY, chat_template_kwargs={"thinking": "yes"})
+
+
 BAD_PARAMS = {
     "max_tokens 5.5": ({"max_tokens": 5.5}, "max_tokens=5.5 must be an integer"),
     "max_tokens True": ({"max_tokens": True}, "max_tokens=True must be an integer"),
