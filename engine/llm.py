@@ -117,17 +117,33 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """One RequestOutput per prompt, in order."""
-        if isinstance(prompts, str | dict) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str | dict) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
             prompts = [prompts]
+        prompts = _as_list(prompts, "prompts")
         if isinstance(sampling_params, list):
             if len(sampling_params) != len(prompts):
                 raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
             params = sampling_params
         else:
             params = [sampling_params or SamplingParams()] * len(prompts)
+        for sp in params:
+            if not isinstance(sp, SamplingParams):
+                raise ValueError(
+                    f"sampling_params: a SamplingParams or a list of them, not {type(sp).__name__}"
+                )
         texts, ids = zip(*(self._prompt(p) for p in prompts), strict=True) if prompts else ((), ())
-        groups = [self._add(prompt, sp) for prompt, sp in zip(ids, params, strict=True)]
-        self._run([r for group in groups for r in group], use_tqdm)
+        groups: list[list[Request]] = []
+        try:
+            for prompt, sp in zip(ids, params, strict=True):
+                groups.append(self._add(prompt, sp))
+            self._run([r for group in groups for r in group], use_tqdm)
+        except BaseException:  # an invalid prompt or an interrupt leaves nothing behind in the engine
+            for request in (r for group in groups for r in group):
+                self.engine.abort(request.id)
+                self.engine.completion(request)
+            raise
         return [self._output(*parts) for parts in zip(texts, ids, groups, strict=True)]
 
     def chat(
@@ -143,6 +159,8 @@ class LLM:
         the outputs' text is the model's raw reply (reasoning and tool calls unparsed), as vLLM's."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         kwargs = chat_template_kwargs or {}
+        if not isinstance(kwargs.get("thinking", False), bool):
+            raise ValueError(f"chat_template_kwargs thinking={kwargs['thinking']!r} must be true or false")
         rendered = [
             encode_messages(
                 conversation,
@@ -157,14 +175,17 @@ class LLM:
         return self.generate(rendered, sampling_params, use_tqdm)
 
     def _prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        """The text and the ids of a prompt; the engine checks the ids against the vocabulary."""
         engine = self.engine
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+                return prompt.get("prompt"), _as_list(prompt["prompt_token_ids"], "prompt_token_ids")
+            if "prompt" not in prompt:
+                raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', not {sorted(prompt)}")
             prompt = prompt["prompt"]
         if isinstance(prompt, str):
             return prompt, prompt_ids(engine.tokenizer, prompt, engine.model.cfg.bos_token_id)
-        return None, list(prompt)
+        return None, _as_list(prompt, "prompt")
 
     def _add(self, prompt: list[int], params: SamplingParams) -> list[Request]:
         """The prompt's n sequences: sequence i draws from seed + i."""
@@ -189,3 +210,10 @@ class LLM:
             done = self.engine.completion(request)
             outputs.append(CompletionOutput(i, done.text, done.token_ids, done.finish_reason, done.logprobs))
         return RequestOutput(requests[0].id, text, prompt, outputs)
+
+
+def _as_list(value: Any, name: str) -> list[Any]:
+    if not isinstance(value, list | tuple):
+        kinds = "a text, a list of token ids, a dict or a list of these"
+        raise ValueError(f"{name}={repr(value)[:60]}: must be {kinds}, not {type(value).__name__}")
+    return list(value)

@@ -14,7 +14,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import KVCacheManager
 from engine.model_runner import ModelRunner
 from engine.prefix_cache import PrefixCache, cache_salt, check_page_size
-from engine.request import FinishReason, InvalidRequest, Request, SamplingParams
+from engine.request import FinishReason, InvalidRequest, Request, SamplingParams, is_integer
 from engine.sampler import Sampler
 from engine.scheduler import ScheduledChunk, Scheduler
 from engine.spec_decode import build_proposer
@@ -116,7 +116,7 @@ class LLMEngine:
             raise ValueError(f"n={params.n}: a request is one sequence (LLM.generate and the server run n)")
         if not prompt:
             raise InvalidRequest("prompt is empty: at least one token is required", "prompt")
-        bad = next((t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab), None)
+        bad = next((t for t in prompt if not is_integer(t) or not 0 <= t < vocab), None)
         if bad is not None:
             raise InvalidRequest(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})", "prompt")
         if len(prompt) + params.max_tokens > limit:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
@@ -52,6 +53,16 @@ class SamplingParams:
             if not ok:
                 raise ValueError(message)
 
+        # vLLM's forms: None, one stop string, lists (a string is not a list of its characters).
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        for name, value in vars(self).items():
+            if name in _INTEGERS or (name in _OPTIONAL_INTEGERS and value is not None):
+                need(is_integer(value), f"{name}={value!r} must be an integer")
+            elif name in _NUMBERS:
+                need(isinstance(value, numbers.Real) and not isinstance(value, bool),
+                     f"{name}={value!r} must be a number")  # fmt: skip
         need(self.max_tokens >= 1, f"max_tokens={self.max_tokens} must be at least 1")
         need(1 <= self.n <= 64, f"n={self.n} must be in [1, 64]")
         need(0 <= self.min_tokens <= self.max_tokens,
@@ -83,13 +94,23 @@ class SamplingParams:
         need(len(self.stop) <= MAX_STOP_STRINGS, f"{len(self.stop)} stop strings: at most {MAX_STOP_STRINGS}")
         longest = max(map(len, self.stop), default=0)
         need(longest <= MAX_STOP_LENGTH, f"a stop string of {longest} characters: at most {MAX_STOP_LENGTH}")
-        need(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+        need(all(is_integer(t) and t >= 0 for t in self.stop_token_ids),
              f"stop_token_ids={self.stop_token_ids!r} must be non-negative integers")  # fmt: skip
 
     @property
     def greedy(self) -> bool:
         # Below this, logits / temperature overflows to inf and the probabilities turn NaN.
         return self.temperature < 1e-5
+
+
+_INTEGERS = ("max_tokens", "top_k", "min_tokens", "n")
+_OPTIONAL_INTEGERS = ("seed", "logprobs")
+_NUMBERS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+
+
+def is_integer(value: object) -> bool:
+    """An int (numpy's too), not a bool and not a float, whole or not: a count or an id."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 @dataclass

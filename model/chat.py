@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,13 +38,15 @@ RESPONSE_FORMAT_TEMPLATE = (
 NAME_RE = re.compile(r'[^"<>\r\n]+')  # tool and parameter names sit inside name="..." attributes
 
 IMAGE_PARTS = ("image_url", "image", "input_image")
+# Every role may carry OpenAI's participant `name`: checked, not rendered (the encoding has no place for it).
+# An assistant message's reasoning comes under either name a reply of this server gives it.
 _ALLOWED_FIELDS = {
-    "system": {"role", "content"},
-    "developer": {"role", "content"},
-    "user": {"role", "content", "task"},
-    "latest_reminder": {"role", "content"},
-    "assistant": {"role", "content", "reasoning_content", "tool_calls"},
-    "tool": {"role", "content", "tool_call_id"},
+    "system": {"role", "content", "name"},
+    "developer": {"role", "content", "name"},
+    "user": {"role", "content", "task", "name"},
+    "latest_reminder": {"role", "content", "name"},
+    "assistant": {"role", "content", "reasoning_content", "reasoning", "tool_calls", "name"},
+    "tool": {"role", "content", "tool_call_id", "name"},
 }
 
 
@@ -73,18 +76,27 @@ def _finite_float(text: str) -> float:
     return value
 
 
+def _integer(text: str) -> int | float:
+    """An integer; one too long for int() (Python refuses over 4300 digits) as an infinite float, so that
+    the caller that locates out-of-range numbers names its field."""
+    if len(text) <= sys.get_int_max_str_digits():
+        return int(text)
+    return -math.inf if text.startswith("-") else math.inf
+
+
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
 def loads_strict(text: str, finite: bool = True) -> Any:
     """json.loads without NaN/Infinity, duplicate object keys or (unless `finite` is False, for a caller
-    that locates them itself) out-of-range floats such as 1e400; raises ValueError."""
+    that locates them itself) out-of-range numbers such as 1e400; raises ValueError."""
     return json.loads(
         text,
         object_pairs_hook=_no_duplicate_keys,
         parse_constant=_reject_constant,
         parse_float=_finite_float if finite else float,
+        parse_int=int if finite else _integer,
     )
 
 
@@ -213,6 +225,12 @@ def _tools_section(tools: Any, profile: ChatProfile) -> str:
         if name in names:
             raise ChatFormatError(f"tools[{k}].function.name", f"duplicate tool name {name!r}")
         names.add(name)
+        for key, kind, what in (
+            ("description", str, "a string"),
+            ("parameters", dict, "a JSON schema object"),
+        ):
+            if tool["function"].get(key) is not None and not isinstance(tool["function"][key], kind):
+                raise ChatFormatError(f"tools[{k}].function.{key}", f"must be {what}")
         schemas.append(_json_section(tool["function"], f"tools[{k}].function"))
     return profile.tools_section("\n".join(schemas))
 
@@ -239,13 +257,12 @@ def _turns(messages: Any, profile: ChatProfile) -> list[_Turn]:
         unknown = set(msg) - _ALLOWED_FIELDS[role]
         if unknown:
             raise ChatFormatError(f"{at}.{sorted(unknown)[0]}", f"is not a field of {role} messages")
+        if "name" in msg and not isinstance(msg["name"], str):
+            raise ChatFormatError(f"{at}.name", "must be a string")
         content = msg.get("content")
         if role == "assistant":
             turn = _Turn(role, "" if content is None else _text(content, f"{at}.content"))
-            reasoning = msg.get("reasoning_content")
-            if reasoning is not None and not isinstance(reasoning, str):
-                raise ChatFormatError(f"{at}.reasoning_content", "must be a string")
-            turn.reasoning = _check_reserved(reasoning or "", f"{at}.reasoning_content")
+            turn.reasoning = _reasoning(msg, at)
             turn.calls, ids = _render_tool_calls(msg.get("tool_calls"), f"{at}.tool_calls", profile)
             call_ids, answered = (ids or None), set()
             turns.append(turn)
@@ -272,6 +289,18 @@ def _turns(messages: Any, profile: ChatProfile) -> list[_Turn]:
             turns.append(_Turn("user", task=task))
         turns[-1].parts.append((index, text))
     return turns
+
+
+def _reasoning(msg: dict[str, Any], at: str) -> str:
+    """An assistant message's reasoning, under `reasoning_content` or `reasoning` (the same text if both)."""
+    given = {key: msg[key] for key in ("reasoning_content", "reasoning") if msg.get(key) is not None}
+    for key, value in given.items():
+        if not isinstance(value, str):
+            raise ChatFormatError(f"{at}.{key}", "must be a string")
+    if len(set(given.values())) > 1:
+        raise ChatFormatError(f"{at}.reasoning", "differs from reasoning_content")
+    key, text = next(iter(given.items()), ("reasoning_content", ""))
+    return _check_reserved(text, f"{at}.{key}")
 
 
 def _resolve_result(call_id: Any, call_ids: list[str | None] | None, answered: set[int], at: str) -> int:

@@ -171,9 +171,15 @@ class OpenAIServer:
         if ignored := parsed.ignored_fields():
             log.warning("ignoring unknown request fields: %s", ", ".join(ignored))
         name = getattr(parsed, "model", None)
-        if name is not None and name not in self.names:
-            raise APIError(f"the model {name!r} does not exist", 404, param="model", code="model_not_found")
+        if name:  # no name or an empty one: the served model, as vLLM
+            self.check_model(name)
         return parsed
+
+    def check_model(self, name: str) -> None:
+        if name not in self.names:
+            served = ", ".join(map(repr, self.names))
+            message = f"the model {name!r} does not exist; this server serves {served}"
+            raise APIError(message, 404, param="model", code="model_not_found")
 
     def text_prompt(self, text: str, add_bos: bool = True, param: str = "prompt") -> list[int]:
         """The prompt ids of `text` (model/tokenizer.prompt_ids); a text too long to fit the context
@@ -367,6 +373,5 @@ class OpenAIServer:
         """`GET /v1/models/{id}`: one served name's card, 404 for any other."""
         self.authorize(request)
         name = request.path_params["model_id"]
-        if name not in self.names:
-            raise APIError(f"the model {name!r} does not exist", 404, param="model", code="model_not_found")
+        self.check_model(name)
         return JSONResponse(self.model_card(name))

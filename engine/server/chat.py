@@ -104,17 +104,19 @@ async def chat_completions(server: OpenAIServer, request: Request) -> Response:
         usage = server.usage(len(prompt), sum(len(u.token_ids) for u in finals), cached)
         return JSONResponse({**base, "choices": out, "usage": usage})
 
-    include_usage = body.stream_options is not None and body.stream_options.include_usage
+    include_usage, continuous = body.stream_usage()
     base["object"] = "chat.completion.chunk"
+    generated = cached = 0
 
     def chunk(index: int, delta: dict, lp: dict | None = None, finish: str | None = None) -> str:
         choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
-        return sse({**base, "choices": [choice], **({"usage": None} if include_usage else {})})
+        usage = server.usage(len(prompt), generated, cached) if continuous else None
+        return sse({**base, "choices": [choice], **({"usage": usage} if include_usage else {})})
 
     async def chunks() -> AsyncIterator[str]:
+        nonlocal generated, cached
         for i in range(len(choices)):
             yield chunk(i, {"role": "assistant", "content": ""})
-        generated = cached = 0
         async for u in server.updates(group):
             generated += len(u.token_ids)
             cached = max(cached, u.cached_tokens)

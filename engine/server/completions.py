@@ -56,7 +56,7 @@ async def completions(server: OpenAIServer, request: Request) -> Response:
         usage = server.usage(prompt_tokens, sum(len(u.token_ids) for u in finals), cached)
         return JSONResponse({**base, "choices": choices, "usage": usage})
 
-    include_usage = body.stream_options is not None and body.stream_options.include_usage
+    include_usage, continuous = body.stream_usage()
 
     async def chunks() -> AsyncIterator[str]:
         releases = [TextRelease(sp.stop) for _, sp, _ in seqs]
@@ -72,7 +72,8 @@ async def completions(server: OpenAIServer, request: Request) -> Response:
             lp = logprobs(u, offsets[u.index])
             offsets[u.index] += len(text)
             choice = {"index": u.index, "text": text, "logprobs": lp, "finish_reason": u.finish_reason}
-            yield sse({**base, "choices": [choice], **({"usage": None} if include_usage else {})})
+            usage = server.usage(prompt_tokens, generated, cached) if continuous else None
+            yield sse({**base, "choices": [choice], **({"usage": usage} if include_usage else {})})
         if include_usage:
             yield sse({**base, "choices": [], "usage": server.usage(prompt_tokens, generated, cached)})
 

@@ -1,5 +1,6 @@
 """OpenAI request schemas, validated strictly: a wrong type or an out-of-range value is a 400 naming the
-field, never a 500 and never silently coerced.
+field and the value, never a 500 and never silently coerced; only what JSON itself leaves open is read
+as the client meant it: null is an unset field, a whole float (`5.0`) an integer.
 
 Unknown top-level fields are accepted and ignored, as vLLM does (the server logs their names), so clients
 that send `metadata`, `store` or fields of newer APIs keep working; fields that would change the output
@@ -13,9 +14,10 @@ alone also turns thinking on).
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+import json
+from typing import Annotated, Any, Literal, get_args
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 from engine.request import FLOAT32_TINY, MAX_STOP_LENGTH, MAX_STOP_STRINGS, SEED_RANGE, SamplingParams
 
@@ -41,7 +43,8 @@ class APIError(Exception):
         self.headers = headers
 
     def body(self) -> dict[str, Any]:
-        kind = {401: "authentication_error", 404: "not_found_error"}.get(self.status, "invalid_request_error")
+        # A 404's type is vLLM's (a client switching from it may test for it); the others are OpenAI's.
+        kind = {401: "authentication_error", 404: "NotFoundError"}.get(self.status, "invalid_request_error")
         if self.status >= 500:
             kind = "server_error"
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
@@ -64,10 +67,55 @@ def validation_error(err: ValidationError) -> APIError:
 
     best = max(err.errors(), key=lambda e: (len(path(e)), not e["type"].endswith("_type")))
     where = ".".join(str(p) for p in path(best)) or None
-    return APIError(f"{where}: {best['msg']}" if where else best["msg"], param=where)
+    message = best["msg"]
+    if best["type"] in _BOUNDS:  # pydantic writes an integer bound beyond 2**53 as a float
+        words, key = _BOUNDS[best["type"]]
+        message = f"Input should be {words} {best['ctx'][key]}"
+    if best["type"] not in ("missing", "extra_forbidden", "too_long", "too_short"):  # these say it already
+        message += f", got {_shown(best['input'])}"
+    return APIError(f"{where}: {message}" if where else message, param=where)
 
 
-class _Strict(BaseModel):
+_BOUNDS = {
+    "less_than_equal": ("less than or equal to", "le"),
+    "greater_than_equal": ("greater than or equal to", "ge"),
+}
+
+
+def _shown(value: Any) -> str:
+    """A value as the client wrote it, cut short: what an error message quotes."""
+    if isinstance(value, list | dict) and len(value) > 8:
+        return f"a {'list' if isinstance(value, list) else 'object'} of {len(value)} items"
+    text = json.dumps(value, ensure_ascii=False)
+    return text if len(text) <= 60 else f"{text[:57]}..."
+
+
+def _whole_number(value: Any) -> Any:
+    """JSON has one kind of number: 5.0 is the integer 5 (to JSON Schema and to vLLM); 5.5 stays an error."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+Int = Annotated[int, BeforeValidator(_whole_number)]
+
+
+class _Schema(BaseModel):
+    """A null field is an unset one: clients send unset optional fields as null (OpenAI marks most of them
+    nullable), so a field that cannot hold null takes its default."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        defaulted = {
+            field.alias or name
+            for name, field in cls.model_fields.items()
+            if not field.is_required() and type(None) not in get_args(field.annotation)
+        }
+        return {k: v for k, v in data.items() if v is not None or k not in defaulted}
+
+
+class _Strict(_Schema):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
@@ -82,7 +130,7 @@ UNSUPPORTED: dict[str, Any] = {
 }  # fmt: skip
 
 
-class _Body(BaseModel):
+class _Body(_Schema):
     """A request body: strict about the fields it declares, tolerant of the others (see the module doc)."""
 
     model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
@@ -91,13 +139,14 @@ class _Body(BaseModel):
         """The unknown fields, after refusing a non-neutral value of an UNSUPPORTED one."""
         extra = self.model_extra or {}
         for name, neutral in UNSUPPORTED.items():
-            if name in extra and extra[name] != neutral:
+            if name in extra and extra[name] is not None and extra[name] != neutral:
                 raise APIError(f"{name} is not supported by this server", param=name)
         return sorted(name for name in extra if name not in UNSUPPORTED)
 
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk has the usage so far
 
 
 class JSONSchemaFormat(_Strict):
@@ -121,13 +170,13 @@ class NamedToolChoice(_Strict):
     function: NamedFunction
 
 
-class ChatTemplateKwargs(BaseModel):
+class ChatTemplateKwargs(_Schema):
     """vLLM's free-form chat template arguments: the ones the encoding takes; others are ignored."""
 
     model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
     thinking: bool | None = None
-    reasoning_effort: str | int | None = None  # vLLM's DeepSeek-V4 form of the top-level field
+    reasoning_effort: str | Int | None = None  # vLLM's DeepSeek-V4 form of the top-level field
     drop_thinking: bool = True  # leave earlier turns' reasoning out of the prompt, as the official encoder
 
 
@@ -145,17 +194,17 @@ Stop = Annotated[
     Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None,
     BeforeValidator(lambda v: [v] if isinstance(v, str) else v),
 ]
-Seed = Annotated[int, Field(ge=SEED_RANGE[0], le=SEED_RANGE[1])]
+Seed = Annotated[Int, Field(ge=SEED_RANGE[0], le=SEED_RANGE[1])]
 
 
 class Sampling(_Body):
     """Fields both endpoints share."""
 
     model: str | None = None
-    n: Annotated[int, Field(ge=1, le=16)] = 1
+    n: Annotated[Int, Field(ge=1, le=16)] = 1
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
     top_p: Annotated[float, Field(ge=FLOAT32_TINY, le=1.0)] = 1.0
-    top_k: Annotated[int, Field(ge=-1, le=2**31 - 1)] = 0  # 0 or -1: off
+    top_k: Annotated[Int, Field(ge=-1, le=2**31 - 1)] = 0  # 0 or -1: off
     min_p: Probability = 0.0
     seed: Seed | None = None
     stop: Stop = None
@@ -167,12 +216,17 @@ class Sampling(_Body):
         | None
     ) = None
     ignore_eos: bool = False
-    min_tokens: Annotated[int, Field(ge=0)] = 0
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    min_tokens: Annotated[Int, Field(ge=0)] = 0
+    stop_token_ids: list[Annotated[Int, Field(ge=0)]] | None = None
     skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # an end-user id for abuse tracking: accepted, not used
+
+    def stream_usage(self) -> tuple[bool, bool]:
+        """(a last chunk with the usage, the usage so far in every chunk): what `stream_options` asks."""
+        options = self.stream_options or StreamOptions()
+        return options.include_usage, options.include_usage and options.continuous_usage_stats
 
     def check(self) -> None:
         """What the field types alone do not say."""
@@ -210,8 +264,9 @@ class Sampling(_Body):
                 min_tokens=self.min_tokens,
                 skip_special_tokens=self.skip_special_tokens,
             )
-        except ValueError as err:
-            raise APIError(str(err)) from None
+        except ValueError as err:  # its message starts with the field: "min_tokens=3 must be ..."
+            field = str(err).split("=", 1)[0]
+            raise APIError(str(err), param=field if field in self.model_fields else None) from None
 
     def token_bias(self, vocab_size: int) -> dict[int, float] | None:
         if not self.logit_bias:
@@ -228,11 +283,11 @@ class Sampling(_Body):
 
 
 class CompletionRequest(Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16
-    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    prompt: str | list[str] | list[Int] | list[list[Int]]
+    max_tokens: Annotated[Int, Field(ge=1)] | None = 16
+    logprobs: Annotated[Int, Field(ge=0, le=20)] | None = None
     echo: bool = False
-    best_of: int | None = None
+    best_of: Int | None = None
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -255,7 +310,7 @@ class _ChatTemplate(_Body):
     """What the chat encoding takes besides the messages."""
 
     tools: list[Any] | None = None  # checked by the chat encoding, as the messages
-    reasoning_effort: str | int | None = None  # OpenAI's names or the encoding's own (docs/serving.md)
+    reasoning_effort: str | Int | None = None  # OpenAI's names or the encoding's own (docs/serving.md)
     chat_template_kwargs: ChatTemplateKwargs | None = None
     add_generation_prompt: bool = True
 
@@ -277,15 +332,15 @@ class _ChatTemplate(_Body):
 
 class ChatCompletionRequest(Sampling, _ChatTemplate):
     messages: list[Any]  # checked field by field by the chat encoding (model/chat.py)
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: Annotated[Int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[Int, Field(ge=1)] | None = None
     logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    top_logprobs: Annotated[Int, Field(ge=0, le=20)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     response_format: ResponseFormat | None = None
-    thinking_budget: Annotated[int, Field(ge=0)] | None = None  # reasoning tokens before </think> is forced
-    max_reasoning_tokens: Annotated[int, Field(ge=0)] | None = None  # another client's name for it
+    thinking_budget: Annotated[Int, Field(ge=0)] | None = None  # reasoning tokens before </think> is forced
+    max_reasoning_tokens: Annotated[Int, Field(ge=0)] | None = None  # another client's name for it
     guided_json: dict[str, Any] | None = None  # vLLM's older name of structured_outputs.json
     structured_outputs: StructuredOutputs | None = None
 
@@ -354,10 +409,10 @@ class TokenizeRequest(_ChatTemplate):
 
 class DetokenizeRequest(_Body):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[Int]
 
 
-class ResponsesReasoning(BaseModel):
+class ResponsesReasoning(_Schema):
     model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
     effort: str | None = None
@@ -370,7 +425,7 @@ class ResponsesRequest(_Body):
     model: str | None = None
     input: str | list[Any]
     instructions: str | None = None
-    max_output_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_output_tokens: Annotated[Int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
     top_p: Annotated[float, Field(ge=FLOAT32_TINY, le=1.0)] = 1.0
     reasoning: ResponsesReasoning | None = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -57,6 +58,63 @@ def test_chat_renders_with_the_checkpoints_encoding(llm: LLM):
         llm.engine.tokenizer, rendered, llm.engine.model.cfg.bos_token_id
     )
     assert len(llm.chat([messages, messages], GREEDY, use_tqdm=False)) == 2
+
+
+BAD_PROMPTS = {
+    "None": (None, "prompts=None: must be"),
+    "a number": (5, "prompts=5: must be"),
+    "a dict of neither form": ({"text": "x"}, "'prompt' or 'prompt_token_ids', not \\['text'\\]"),
+    "a dict with a number": ({"prompt": 5}, "prompt=5: must be"),
+    "a bool token": ([1, True], "token id True"),
+    "a token outside the vocabulary": (
+        [1, 10**9],
+        r"token id 1000000000 is outside the vocabulary \[0, 4096\)",
+    ),
+}
+
+
+@pytest.mark.parametrize(("prompt", "named"), BAD_PROMPTS.values(), ids=BAD_PROMPTS.keys())
+def test_a_bad_prompt_is_a_value_error_that_leaves_nothing_behind(llm: LLM, prompt: object, named: str):
+    [before] = llm.generate("Hello", GREEDY, use_tqdm=False)
+    batch = prompt if prompt is None or isinstance(prompt, int) else ["Hello", prompt]
+    with pytest.raises(ValueError, match=named):
+        llm.generate(batch, GREEDY, use_tqdm=False)
+    # The good prompt queued before the bad one is not left to run with (or leak past) the next call.
+    assert not llm.engine.has_work and not llm.engine.requests
+    [after] = llm.generate("Hello", GREEDY, use_tqdm=False)
+    assert after.outputs[0].token_ids == before.outputs[0].token_ids
+
+
+def test_chat_template_kwargs_thinking_must_be_a_bool(llm: LLM):
+    with pytest.raises(ValueError, match="thinking='yes' must be true or false"):
+        llm.chat([{"role": "user", "content": "Hi"}], GREEDY, chat_template_kwargs={"thinking": "yes"})
+
+
+BAD_PARAMS = {
+    "max_tokens 5.5": ({"max_tokens": 5.5}, "max_tokens=5.5 must be an integer"),
+    "max_tokens True": ({"max_tokens": True}, "max_tokens=True must be an integer"),
+    "max_tokens None": ({"max_tokens": None}, "max_tokens=None must be an integer"),
+    "n a string": ({"n": "2"}, "n='2' must be an integer"),
+    "seed 1.5": ({"seed": 1.5}, "seed=1.5 must be an integer"),
+    "logprobs True": ({"logprobs": True}, "logprobs=True must be an integer"),
+    "temperature None": ({"temperature": None}, "temperature=None must be a number"),
+    "top_p a string": ({"top_p": "1"}, "top_p='1' must be a number"),
+    "top_p NaN": ({"top_p": float("nan")}, "top_p=nan must be in"),
+    "stop token 1.0": ({"stop_token_ids": [1.0]}, "stop_token_ids=\\(1.0,\\) must be non-negative integers"),
+}
+
+
+@pytest.mark.parametrize(("kwargs", "named"), BAD_PARAMS.values(), ids=BAD_PARAMS.keys())
+def test_bad_sampling_params_are_value_errors_naming_the_value(kwargs: dict, named: str):
+    with pytest.raises(ValueError, match=named):
+        SamplingParams(**kwargs)
+
+
+def test_stop_takes_vllms_forms():
+    """One string is one stop string, not a stop per character; lists and None are accepted too."""
+    assert SamplingParams(stop="ab").stop == SamplingParams(stop=["ab"]).stop == ("ab",)
+    assert SamplingParams(stop=None, stop_token_ids=None) == SamplingParams()
+    assert SamplingParams(max_tokens=np.int64(3), temperature=np.float32(0.5)).max_tokens == 3
 
 
 @pytest.mark.parametrize(

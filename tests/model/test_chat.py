@@ -145,6 +145,25 @@ def test_exact_small_prompts():
     assert encode_messages([blocks, user("c")]) == f"{BOS}{USER}a\n\nb\n\nc{ASSISTANT}{END_THINK}"
 
 
+def test_a_reply_sent_back_as_given_renders_as_the_plain_message():
+    """A client returns the assistant message as the server gave it (`reasoning` beside
+    `reasoning_content`) and OpenAI's participant `name`s: the prompt is that of the plain messages."""
+    plain = [user("Hi"), assistant("Hello", reasoning="greet"), user("Bye")]
+    returned = [
+        user("Hi") | {"name": "ann"},
+        {"role": "assistant", "content": "Hello", "reasoning": "greet", "reasoning_content": "greet"},
+        user("Bye") | {"name": "ann"},
+    ]
+    only_reasoning = [
+        user("Hi"),
+        {"role": "assistant", "content": "Hello", "reasoning": "greet"},
+        user("Bye"),
+    ]
+    for kwargs in ({}, {"thinking": True, "drop_thinking": False}):
+        assert encode_messages(returned, **kwargs) == encode_messages(plain, **kwargs)
+        assert encode_messages(only_reasoning, **kwargs) == encode_messages(plain, **kwargs)
+
+
 def test_developer_and_reminder():
     dev = {"role": "developer", "content": "D"}
     reminder = {"role": "latest_reminder", "content": "R"}
@@ -206,7 +225,9 @@ BAD_REQUESTS = [
     (req("hi"), "messages[0]"),
     (req({"content": "x"}), "messages[0].role"),
     (req({"role": "function", "content": "x"}), "messages[0].role"),
-    (req(user("x") | {"name": "bob"}), "messages[0].name"),
+    (req(user("x") | {"name": 5}), "messages[0].name"),
+    (req(assistant("", reasoning="a") | {"reasoning": "b"}), "messages[0].reasoning"),
+    (req({"role": "assistant", "content": "", "reasoning": 1}), "messages[0].reasoning"),
     (req(user("x") | {"reasoning_content": "r"}), "messages[0].reasoning_content"),
     (req({"role": "user"}), "messages[0].content"),
     (req(user(3)), "messages[0].content"),
@@ -256,6 +277,9 @@ BAD_REQUESTS = [
     (bad_tool(d=float("nan")), "tools[0].function"),
     (bad_tool(d={1, 2}), "tools[0].function"),
     (bad_tool(d="<think>"), "tools[0].function"),
+    (bad_tool(parameters="x"), "tools[0].function.parameters"),
+    (bad_tool(parameters=[]), "tools[0].function.parameters"),
+    (bad_tool(description=5), "tools[0].function.description"),
     (req(user("q"), response_format="json"), "response_format"),
     (req(user("q"), response_format={"x": float("inf")}), "response_format"),
     (req(user("q"), response_format={"x": "<｜Assistant｜>"}), "response_format"),

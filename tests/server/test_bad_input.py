@@ -116,7 +116,7 @@ def test_bodies_that_are_not_a_json_object_are_400(server: Served, raw: bytes):
 
 
 def test_unknown_routes_and_methods_get_error_objects(server: Served):
-    assert server.http().get("/v1/nothing").json()["error"]["type"] == "not_found_error"
+    assert server.http().get("/v1/nothing").json()["error"]["type"] == "NotFoundError"
     r = server.http().get("/v1/chat/completions")
     assert r.status_code == 405 and "error" in r.json()
     assert server.http().post("/detokenize", json={"tokens": [5000000]}).status_code == 400

@@ -91,6 +91,12 @@ for name, (path, base) in NUMERIC.items():
             path, with_literal(base, name, literal), param=name if named else None
         )
 
+# Integers longer than Python's int() takes (4300 digits) are out of range too, located as any other.
+for sign in ("", "-"):
+    CASES[f"seed of {sign}5000 digits"] = Case(
+        CHAT, with_literal(chat(), "seed", sign + "9" * 5000), param="seed"
+    )
+
 # ---- ranges: finite numbers the sampler cannot use -----------------------------------------------------
 RANGES = {
     "seed 2**64": chat(seed=2**64),
@@ -106,7 +112,7 @@ RANGES = {
     "min_p 1.5": chat(min_p=1.5),
     "top_k -2": chat(top_k=-2),
     "n 17": chat(n=17),
-    "n 1.0": chat(n=1.0),
+    "n 1.5": chat(n=1.5),
     "max_tokens 0": chat(max_tokens=0),
     "max_tokens 1.5": chat(max_tokens=1.5),
     "frequency_penalty -2.5": chat(frequency_penalty=-2.5),
@@ -139,7 +145,7 @@ TYPES = {
     "use_beam_search": (CHAT, chat(use_beam_search=True), "use_beam_search"),
     "a chat template of its own": (CHAT, chat(chat_template="{{ messages }}"), "chat_template"),
     "guided_regex": (COMPLETIONS, completion(guided_regex="a+"), "guided_regex"),
-    "min_tokens over max_tokens": (CHAT, chat(min_tokens=5), None),
+    "min_tokens over max_tokens": (CHAT, chat(min_tokens=5), "min_tokens"),
     "stop_token_ids negative": (CHAT, chat(stop_token_ids=[-1]), "stop_token_ids"),
     "chat_template_kwargs thinking string": (
         CHAT,
@@ -357,7 +363,7 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
     assert response.status_code == status, response.text[:500]
     error = response.json()["error"]
     assert isinstance(error["message"], str) and error["message"]
-    assert error["type"] in ("invalid_request_error", "authentication_error", "not_found_error")
+    assert error["type"] in ("invalid_request_error", "authentication_error", "NotFoundError")
     if param is not None:
         assert (error["param"] or "").startswith(param), error
 
@@ -495,6 +501,50 @@ ODD_BUT_VALID = {
     "logit_bias on every listed token": chat(logit_bias={str(t): -100 for t in range(1024)}),
     "stop of the maximum length": chat(stop=["y" * 1024] * 16),
     "no Content-Type header": completion(),
+    "model an empty string": chat(model=""),
+    # JSON has one kind of number: a whole float is an integer (vLLM takes it too).
+    "integers written as floats": chat(max_tokens=2.0, n=2.0, seed=1e3, top_k=-1.0, min_tokens=0.0),
+    "token ids written as floats": completion(prompt=[5.0, 6.0], logprobs=1.0),
+    # Clients send unset optional fields as null: each takes its default.
+    "null for every defaulted chat field": chat(
+        **dict.fromkeys(
+            [
+                "n",
+                "temperature",
+                "top_p",
+                "top_k",
+                "min_p",
+                "presence_penalty",
+                "frequency_penalty",
+                "repetition_penalty",
+                "ignore_eos",
+                "min_tokens",
+                "skip_special_tokens",
+                "stream",
+                "logprobs",
+                "parallel_tool_calls",
+                "add_generation_prompt",
+            ]
+        )
+    ),  # fmt: skip
+    "null for every defaulted completion field": completion(n=None, echo=None, stream=None, temperature=None),
+    "OpenAI's participant names": chat(
+        messages=[{"role": "system", "content": "S", "name": "rules"}, {**USER, "name": "ann"}]
+    ),
+    "a reply sent back as the server gave it": chat(
+        messages=[
+            USER,
+            {
+                "role": "assistant",
+                "content": "Hello",
+                "reasoning": "r",
+                "reasoning_content": "r",
+                "refusal": None,
+            },
+            USER,
+        ],
+        chat_template_kwargs={"thinking": True, "drop_thinking": None},
+    ),
 }
 
 
@@ -505,3 +555,30 @@ def test_odd_but_valid_requests_complete(watched: Served, body: dict):
     r = _send(watched, Case(path, body, headers=headers))
     assert r.status_code == 200, r.text[:500]
     assert r.json()["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+NAMED = {
+    "top_logprobs over 20": (CHAT, chat(logprobs=True, top_logprobs=50), ["50", "20"]),
+    "max_tokens not whole": (CHAT, chat(max_tokens=5.5), ["5.5"]),
+    "seed over 2**64 - 1": (CHAT, chat(seed=2**64), [str(2**64), str(2**64 - 1)]),
+    "n over 16": (CHAT, chat(n=17), ["17", "16"]),
+    "temperature over 2": (CHAT, chat(temperature=2.5), ["2.5", "2"]),
+    "stop strings over 16": (CHAT, chat(stop=["s"] * 20), ["20", "16"]),
+    "unknown model": (CHAT, chat(model="gpt-4"), ["gpt-4", MODEL]),
+    "prompt + max_tokens over the context": (
+        COMPLETIONS,
+        completion(prompt=[5] * 1000, max_tokens=100),
+        ["1000", "100", str(MAX_MODEL_LEN)],
+    ),
+}
+
+
+@pytest.mark.parametrize(("path", "body", "named"), NAMED.values(), ids=NAMED.keys())
+def test_an_error_names_the_value_and_the_limit(watched: Served, path: str, body: dict, named: list[str]):
+    message = _send(watched, Case(path, body)).json()["error"]["message"]
+    assert all(text in message for text in named), message
+
+
+def test_an_unknown_model_is_vllms_not_found_error(watched: Served):
+    r = _send(watched, Case(CHAT, chat(model="gpt-4")))
+    assert r.status_code == 404 and r.json()["error"]["type"] == "NotFoundError"

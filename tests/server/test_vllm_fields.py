@@ -100,7 +100,8 @@ def test_reasoning_comes_under_both_names(server: Served):
 
 def test_neutral_values_of_unsupported_fields_are_accepted(server: Served):
     body = {"model": MODEL, "messages": [USER], "max_tokens": 2, "use_beam_search": False, "echo": False,
-            "include_stop_str_in_output": False, "length_penalty": 1.0}  # fmt: skip
+            "include_stop_str_in_output": False, "length_penalty": 1.0, "suffix": None,
+            "prompt_logprobs": None, "chat_template": None, "continue_final_message": None}  # fmt: skip
     assert server.http().post("/v1/chat/completions", json=body).status_code == 200
 
 
@@ -114,6 +115,9 @@ def test_generation_config_defaults_fill_only_the_unset_fields():
     given = ChatCompletionRequest.model_validate({"messages": [USER], "temperature": 1.0, "top_k": -1})
     params = given.sampling_params(4, None, 0, defaults)
     assert (params.temperature, params.top_p, params.top_k) == (1.0, 0.8, 0)
+    nulls = ChatCompletionRequest.model_validate({"messages": [USER], "temperature": None, "top_k": None})
+    params = nulls.sampling_params(4, None, 0, defaults)  # null is unset: the defaults fill it
+    assert (params.temperature, params.top_p, params.top_k) == (0.3, 0.8, 20)
 
 
 def test_a_thinking_budget_closes_the_reasoning_and_the_answer_follows(server: Served):
@@ -130,3 +134,19 @@ def test_a_thinking_budget_closes_the_reasoning_and_the_answer_follows(server: S
         "/v1/chat/completions", json={**body, "chat_template_kwargs": {}, "thinking_budget": 3}
     )
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "thinking_budget"
+
+
+def test_continuous_usage_stats_give_every_chunk_the_usage_so_far(server: Served):
+    for path, fields in (
+        ("/v1/chat/completions", {"messages": [USER]}),
+        ("/v1/completions", {"prompt": "Hi"}),
+    ):
+        body = {"model": MODEL, "max_tokens": 5, "ignore_eos": True, "stream": True, **fields,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True}}  # fmt: skip
+        lines = server.http().post(path, json=body).text.splitlines()
+        events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+        *chunks, last = events
+        assert not last["choices"] and last["usage"]["completion_tokens"] == 5
+        counts = [c["usage"]["completion_tokens"] for c in chunks]
+        assert counts == sorted(counts) and counts[-1] == 5, counts
+        assert all(c["usage"]["prompt_tokens"] == last["usage"]["prompt_tokens"] for c in chunks)
