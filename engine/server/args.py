@@ -22,32 +22,12 @@ from typing import Any
 import yaml
 
 from engine.config import SPECULATIVE_ALIASES, EngineConfig
+from engine.server.flag_values import int_in, parse_count, parse_size, port, seconds
 from model.chat_profile import PROFILES
 
 # vLLM's names for the DeepSeek V4 tokenizer, tool-call and reasoning parsers: all built in here.
 DEEPSEEK_PARSERS = ("deepseek_v4", "deepseek_v41")
 API_KEY_VARIABLES = ("DSV4_API_KEY", "VLLM_API_KEY")
-
-_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B?)", re.I)
-_COUNT = re.compile(r"(\d+(?:\.\d+)?)\s*([kKmMgG]?)")
-
-
-def parse_size(text: str) -> int:
-    """Bytes from `268435456`, `256MiB`, `1.5GiB` or `512M` (powers of 1024)."""
-    m = _SIZE.fullmatch(text.strip())
-    if m is None:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 256MiB")
-    return int(float(m[1]) * 1024 ** " KMGT".index(m[2].upper() or " "))
-
-
-def parse_count(text: str) -> int:
-    """A token count as vLLM writes it: `4096`, `64k` (x1000), `64K` (x1024), `1m`, `1M`, `1g`, `1G`."""
-    m = _COUNT.fullmatch(text.strip())
-    if m is None:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a token count such as 4096 or 64k")
-    unit = m[2]
-    base = 1000 if unit.islower() else 1024
-    return int(float(m[1]) * (base ** ("kmg".index(unit.lower()) + 1) if unit else 1))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     where = p.add_argument_group("where")
     where.add_argument("--host", default="0.0.0.0", help="address to listen on (default: every interface)")
-    where.add_argument("--port", type=int, default=8000)
+    where.add_argument("--port", type=port, default=8000, help="0: any free port (default: 8000)")
     where.add_argument("--served-model-name", nargs="+", help="names clients use (default: the folder name)")
     where.add_argument(
         "--api-key",
@@ -106,13 +86,13 @@ def build_parser() -> argparse.ArgumentParser:
                                     "or data parallel with expert parallel)")  # fmt: skip
     for name, short in (("tensor", "tp"), ("data", "dp"), ("pipeline", "pp")):
         parallel.add_argument(f"--{name}-parallel-size", f"-{short}", type=int, default=1)
-    parallel.add_argument("--nnodes", type=int, default=1,
+    parallel.add_argument("--nnodes", type=int_in(1), default=1,
                           help="machines the tensor-parallel ranks span (torchrun: its nodes)")  # fmt: skip
-    parallel.add_argument("--node-rank", type=int, default=0, help="this machine's place: 0 serves, the "
-                          "others only run their ranks (torchrun: GROUP_RANK)")  # fmt: skip
+    parallel.add_argument("--node-rank", type=int_in(0), default=0, help="this machine's place: 0 serves, "
+                          "the others only run their ranks (torchrun: GROUP_RANK)")  # fmt: skip
     parallel.add_argument("--master-addr", default="127.0.0.1",
                           help="node 0's address, where the ranks meet (torchrun: MASTER_ADDR)")  # fmt: skip
-    parallel.add_argument("--master-port", type=int, default=0, help="the port the ranks meet on (needed "
+    parallel.add_argument("--master-port", type=port, default=0, help="the port the ranks meet on (needed "
                           "with --nnodes > 1; torchrun: MASTER_PORT)")  # fmt: skip
     p.set_defaults(launcher_store="")
     parallel.add_argument("--enable-expert-parallel", action="store_true",
@@ -129,9 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     server = p.add_argument_group("server")
     server.add_argument("--max-request-bytes", type=parse_size,
                         help="larger request bodies get 413 (default: 4MiB)")  # fmt: skip
-    server.add_argument("--max-waiting-requests", type=int, default=256,
+    server.add_argument("--max-waiting-requests", type=int_in(0), default=256,
                         help="sequences waiting beyond --max-num-seqs; more get 503")  # fmt: skip
-    server.add_argument("--shutdown-timeout", type=float, default=30.0,
+    server.add_argument("--shutdown-timeout", type=seconds, default=30.0,
                         help="seconds SIGTERM lets the requests in flight finish (default: 30)")  # fmt: skip
     server.add_argument("--enable-log-requests", action="store_true", help="log each request as it arrives")
     server.add_argument("--disable-log-stats", action="store_true", help="no periodic throughput line")
@@ -139,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
                         choices=["critical", "error", "warning", "info", "debug", "trace"])  # fmt: skip
     server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                         help="the server's own logging (default: info)")  # fmt: skip
-    server.add_argument("--torch-threads", type=int, help="torch CPU threads (default: torch's choice)")
+    server.add_argument("--torch-threads", type=int_in(1), help="torch CPU threads (default: torch's choice)")
     return p
 
 
@@ -240,17 +220,8 @@ def _check(args: argparse.Namespace) -> None:
     if args.model_tag and args.model and Path(args.model_tag) != Path(args.model):
         raise ValueError(f"the model is given twice: {args.model_tag!r} and --model {args.model!r}")
     args.model = args.model or args.model_tag
-    if args.tensor_parallel_size < 1:
-        raise ValueError(f"--tensor-parallel-size={args.tensor_parallel_size} must be at least 1")
     if args.pipeline_parallel_size != 1:
         raise ValueError(f"--pipeline-parallel-size={args.pipeline_parallel_size}: not supported (1)")
-    if args.data_parallel_size < 1:
-        raise ValueError(f"--data-parallel-size={args.data_parallel_size} must be at least 1")
-    if args.data_parallel_size > 1 and (args.tensor_parallel_size > 1 or not args.enable_expert_parallel):
-        raise ValueError(
-            f"--data-parallel-size={args.data_parallel_size} runs with --enable-expert-parallel and "
-            f"--tensor-parallel-size=1 for now (got {args.tensor_parallel_size})"
-        )
     if args.dtype in ("float16", "half"):
         raise ValueError(f"--dtype={args.dtype}: the model computes in bfloat16 or float32 (or auto)")
     if args.kv_cache_dtype != "auto":
@@ -262,6 +233,18 @@ def _check(args: argparse.Namespace) -> None:
             raise ValueError("give --gpu-memory-utilization or --kv-cache-memory, not both")
     args.api_keys = list(args.api_key or []) or [k for v in API_KEY_VARIABLES if (k := os.environ.get(v))]
     _merge_speculative(args)
+    try:
+        engine_config(args)  # EngineConfig's checks, before the port opens
+    except ValueError as err:
+        raise ValueError(_as_flags(str(err))) from None
+
+
+_FIELD = re.compile(r"\b(" + "|".join(f.name for f in dataclasses.fields(EngineConfig)) + r")=")
+
+
+def _as_flags(message: str) -> str:
+    """EngineConfig's message with its field names written as their flags: `--max-num-seqs=0 ...`."""
+    return _FIELD.sub(lambda m: "--" + m[1].replace("_", "-") + "=", message)
 
 
 def _merge_speculative(args: argparse.Namespace) -> None:
