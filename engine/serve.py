@@ -30,6 +30,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper())
     sock = bind(args.host, args.port)
+    args.port = sock.getsockname()[1]  # --port 0: the one the system picked, for the start-up line
     # Only now torch and the model code load (seconds): a port in use has already failed.
     from engine.server.launch import serve
 

@@ -10,7 +10,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,6 +75,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(proc: subprocess.Popen, url: Callable[[], str | None], log: Path) -> None:
+    """Until the server at ``url()`` (None: not known yet) answers /health, failing if it exits first."""
+    deadline = time.monotonic() + 300  # the first run writes the tiny checkpoint
+    while True:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            pytest.fail(f"the server did not come up:\n{log.read_text()}")
+        try:
+            if (where := url()) and httpx.get(f"{where}/health", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+
+
 @contextmanager
 def serving(log: Path, *flags: str) -> Iterator[tuple[Served, subprocess.Popen]]:
     """`python -m engine.serve` on a free port with `flags`, until the block ends (then it is stopped)."""
@@ -83,17 +97,8 @@ def serving(log: Path, *flags: str) -> Iterator[tuple[Served, subprocess.Popen]]
     with log.open("w") as out:
         proc = subprocess.Popen(args, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ))
     served = Served(f"http://127.0.0.1:{port}", log)
-    deadline = time.monotonic() + 300  # the first run writes the tiny checkpoint
     try:
-        while True:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"the server did not come up:\n{log.read_text()}")
-            try:
-                if httpx.get(f"{served.url}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
+        wait_healthy(proc, lambda: served.url, log)
         yield served, proc
     finally:
         if proc.poll() is None:

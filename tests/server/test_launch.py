@@ -3,6 +3,7 @@ a context beyond the model's or a KV cache too small for one request fail at sta
 
 from __future__ import annotations
 
+import re
 import socket
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import time
 import pytest
 
 from model.tiny import cached_tiny
-from tests.server.conftest import ROOT, serving
+from tests.server.conftest import ROOT, serving, wait_healthy
 
 # vLLM's recipe line for DeepSeek-V4-Flash, with the tiny checkpoint for the model and CPU values for the
 # GPU-only ones (one device, the model's own KV cache format).
@@ -68,6 +69,24 @@ def test_a_port_in_use_fails_at_once_naming_it():
         done, elapsed = run_serve("--host", "127.0.0.1", "--port", str(port))
     assert done.returncode != 0 and f"127.0.0.1:{port}" in done.stderr
     assert elapsed < 2, elapsed
+
+
+def test_port_0_serves_on_the_port_the_system_picked(tmp_path):
+    log = tmp_path / "server.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "engine.serve", "--host", "127.0.0.1", "--port", "0"],
+                                cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
+
+    def announced() -> str | None:
+        found = re.search(r"at (http://127\.0\.0\.1:\d+)/v1", log.read_text())
+        return found and found[1]
+
+    try:
+        wait_healthy(proc, announced, log)
+        assert not announced().endswith(":0")
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
 
 
 def free_port() -> str:
