@@ -11,7 +11,9 @@ from __future__ import annotations
 import logging
 import socket
 
-from engine.server.args import parse_args
+from engine.server.args import ignored_notes, parse_args
+
+log = logging.getLogger(__name__)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -29,6 +31,8 @@ def bind(host: str, port: int) -> socket.socket:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper())
+    for note in ignored_notes(args):
+        log.warning(note)
     sock = bind(args.host, args.port)
     args.port = sock.getsockname()[1]  # --port 0: the one the system picked, for the start-up line
     # Only now torch and the model code load (seconds): a port in use has already failed.

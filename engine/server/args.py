@@ -3,7 +3,8 @@ meanings and defaults, so a vLLM launch line works unchanged; the project's own 
 
 Flags for what the project does not do yet (several devices, float16, an fp8 KV cache) are accepted with
 their neutral value and refused, naming the flag, with any other; flags that change nothing here
-(`--trust-remote-code`, `--enforce-eager`) are accepted. `--config FILE` reads flags from YAML (keys are
+(`--trust-remote-code`, `--enforce-eager`) are accepted, those of ``IGNORED`` with a logged note why;
+`--chat-template` is refused (the chat encoding is built in). `--config FILE` reads flags from YAML (keys are
 the long flag names); the command line wins over the file.
 """
 
@@ -68,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="auto: sampling defaults from the model's generation_config.json; vllm: none; "
                        "or a folder holding one")  # fmt: skip
     model.add_argument("--chat-encoding", choices=PROFILES, help="override the checkpoint's chat encoding")
+    model.add_argument(
+        "--chat-template", help="refused: the DeepSeek chat encoding is built in (--chat-encoding)"
+    )
     model.add_argument("--tool-call-parser", choices=DEEPSEEK_PARSERS, help="accepted: built in")
     model.add_argument("--reasoning-parser", choices=DEEPSEEK_PARSERS, help="accepted: built in")
     model.add_argument(
@@ -114,13 +118,37 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--shutdown-timeout", type=seconds, default=30.0,
                         help="seconds SIGTERM lets the requests in flight finish (default: 30)")  # fmt: skip
     server.add_argument("--enable-log-requests", action="store_true", help="log each request as it arrives")
+    server.add_argument("--disable-log-requests", action="store_true",
+                        help="accepted: requests are logged only with --enable-log-requests")  # fmt: skip
     server.add_argument("--disable-log-stats", action="store_true", help="no periodic throughput line")
+    server.add_argument("--disable-uvicorn-access-log", action="store_true", help="no line per HTTP request")
     server.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])  # fmt: skip
     server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                         help="the server's own logging (default: info)")  # fmt: skip
     server.add_argument("--torch-threads", type=int_in(1), help="torch CPU threads (default: torch's choice)")
+    ignored = p.add_argument_group("vLLM flags with nothing to switch here (accepted, with a note)")
+    ignored.add_argument("--swap-space", type=float, help="GiB of CPU swap space per device")
+    ignored.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction)
+    ignored.add_argument("--distributed-executor-backend", choices=["mp", "ray", "uni", "external_launcher"])
     return p
+
+
+# Why each of these vLLM flags changes nothing here; a launch line that sets one gets this as a note.
+IGNORED = {
+    "swap_space": "no CPU swap space: a preempted request recomputes its KV cache",
+    "enable_chunked_prefill": "prefills are always chunked to --max-num-batched-tokens",
+    "distributed_executor_backend": "every rank is a process of its own",
+}
+
+
+def ignored_notes(args: argparse.Namespace) -> list[str]:
+    """A note for each flag of ``IGNORED`` the launch line set."""
+    return [
+        f"--{name.replace('_', '-')}={getattr(args, name)}: ignored ({why})"
+        for name, why in IGNORED.items()
+        if getattr(args, name) is not None
+    ]
 
 
 _UNITS = {"tokens": parse_count, "bytes": parse_size}
@@ -224,6 +252,11 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(f"--pipeline-parallel-size={args.pipeline_parallel_size}: not supported (1)")
     if args.dtype in ("float16", "half"):
         raise ValueError(f"--dtype={args.dtype}: the model computes in bfloat16 or float32 (or auto)")
+    if args.chat_template is not None:
+        raise ValueError(
+            f"--chat-template {args.chat_template}: the DeepSeek chat encoding is built in (choose another "
+            f"with --chat-encoding, one of {', '.join(PROFILES)})"
+        )
     if args.kv_cache_dtype != "auto":
         raise ValueError(f"--kv-cache-dtype={args.kv_cache_dtype}: only auto (the model's own cache formats)")
     if args.gpu_memory_utilization is not None:

@@ -133,7 +133,8 @@ def serve(args: argparse.Namespace, sock: socket.socket) -> None:
         f"Serving {names[0]} from {path} at {url}/v1  (try: curl {url}/v1/models)",
     ])  # fmt: skip
     app = build_app(server, announce, None if args.disable_log_stats else 10.0)
-    config = uvicorn.Config(app, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=FLUSH_TIMEOUT)
+    config = uvicorn.Config(app, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=FLUSH_TIMEOUT,
+                            access_log=not args.disable_uvicorn_access_log)  # fmt: skip
     if workers is not None:
         workers.watch(lambda err: _stop_on_failure(server, err))
     GracefulServer(config, server.core, args.shutdown_timeout).run(sockets=[sock])

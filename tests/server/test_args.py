@@ -8,7 +8,7 @@ import shlex
 import pytest
 
 from engine.config import EngineConfig
-from engine.server.args import engine_config, parse_args, parse_count
+from engine.server.args import engine_config, ignored_notes, parse_args, parse_count
 
 
 def test_vllm_forms_of_the_flags():
@@ -74,6 +74,7 @@ def test_a_yaml_config_under_the_command_line(tmp_path):
         (["--torch-threads", "0"], "argument --torch-threads: 0 must be at least 1"),
         (["--max-waiting-requests", "-1"], "argument --max-waiting-requests: -1 must be at least 0"),
         (["--shutdown-timeout", "nan"], "nan seconds must be finite and at least 0"),
+        (["--chat-template", "t.jinja"], "--chat-template t.jinja: the DeepSeek chat encoding is built in"),
     ],
 )
 def test_unsupported_values_are_errors_naming_the_flag(argv: list[str], named: str, capsys):
@@ -99,3 +100,20 @@ def test_every_engine_field_is_a_flag_with_the_field_default():
         num_speculative_tokens=2,
         dspark_min_confidence=0.5,
     )
+
+
+@pytest.mark.parametrize(
+    ("line", "note"),
+    [
+        ("--swap-space 4", "--swap-space=4.0: ignored (no CPU swap space"),
+        (
+            "--no-enable-chunked-prefill",
+            "--enable-chunked-prefill=False: ignored (prefills are always chunked",
+        ),
+        ("--distributed-executor-backend mp", "--distributed-executor-backend=mp: ignored"),
+    ],
+)
+def test_vllm_flags_that_change_nothing_here_are_accepted_with_a_note(line: str, note: str):
+    notes = ignored_notes(parse_args(shlex.split(line)))
+    assert len(notes) == 1 and notes[0].startswith(note)
+    assert ignored_notes(parse_args(["--disable-log-requests", "--disable-uvicorn-access-log"])) == []
