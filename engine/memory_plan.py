@@ -74,7 +74,8 @@ def plan_memory(
 ) -> MemoryPlan:
     """The plan for serving ``path`` on one device (``parallel``: that of the rank it names, every rank's
     KV cache sized alike); ``gpu_memory_utilization`` shares ``device_bytes`` between weights,
-    activations and the KV cache, else the KV cache gets ``kv_cache_memory`` bytes."""
+    activations and the KV cache, else the KV cache gets ``kv_cache_memory`` bytes, if the device has
+    them beside the weights and activations (``device_bytes``, when given)."""
     model, _, _ = plan_shard(path, dtype, quantization, parallel)
     weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     itemsize = torch.empty(0, dtype=dtype).element_size()
@@ -89,6 +90,11 @@ def plan_memory(
         if kv_cache_memory is None:
             raise ValueError("give kv_cache_memory or gpu_memory_utilization")
         kv, how = kv_cache_memory, "--kv-cache-memory"
+        if device_bytes is not None and weights + activations + kv > device_bytes:
+            raise ValueError(
+                f"memory plan: --kv-cache-memory={kv} B with weights {weights / GIB:.3f} GiB and activations "
+                f"{activations / GIB:.3f} GiB exceeds the device's {device_bytes / GIB:.1f} GiB"
+            )
     groups = cache_groups(model.cfg, itemsize)
     cache = KVCacheManager(groups, block_size, 1)
     per_request = cache.max_blocks(max_model_len + lookahead, max_num_batched_tokens + lookahead)

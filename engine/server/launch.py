@@ -47,7 +47,7 @@ def memory_budget(args: argparse.Namespace, config: EngineConfig) -> dict:
         "block_size": config.block_size,
         "kv_cache_memory": None if share else config.kv_cache_memory,
         "gpu_memory_utilization": share,
-        "device_bytes": runtime.memory_bytes() if share else None,
+        "device_bytes": runtime.memory_bytes(),
         "lookahead": config.lookahead,
     }
 

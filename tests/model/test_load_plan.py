@@ -46,6 +46,10 @@ def test_a_plan_that_cannot_hold_one_request_is_refused(fp8_dir):
         plan_memory(fp8_dir, torch.float32, "auto", kv_cache_memory=2**16, **SHAPE)
     with pytest.raises(ValueError, match=r"0.5 x 0.0 GiB less weights and activations; weights 0.0\d+ GiB"):
         plan_memory(fp8_dir, torch.float32, "auto", gpu_memory_utilization=0.5, device_bytes=2**22, **SHAPE)
+    with pytest.raises(
+        ValueError, match=r"--kv-cache-memory=1099511627776 B .* exceeds the device's 1.0 GiB"
+    ):
+        plan_memory(fp8_dir, torch.float32, "auto", kv_cache_memory=2**40, device_bytes=2**30, **SHAPE)
 
 
 def test_the_plan_reserves_the_mtp_drafts_lookahead(fp8_dir):

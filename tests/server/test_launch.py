@@ -100,6 +100,7 @@ def free_port() -> str:
     [
         (["--max-model-len", "2M"], "max_position_embeddings=1048576"),
         (["--kv-cache-memory", "64K"], "needs"),
+        (["--kv-cache-memory", "99999TiB"], "exceeds the device's"),
         (["--quantization", "w8a8"], "quantization='w8a8': the checkpoint is stored as unquantized"),
         (["--generation-config", "/nonexistent"], "no generation_config.json"),
     ],
