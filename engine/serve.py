@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import sys
 
 from engine.server.args import ignored_notes, parse_args
 
@@ -35,10 +36,14 @@ def main(argv: list[str] | None = None) -> None:
         log.warning(note)
     sock = bind(args.host, args.port)
     args.port = sock.getsockname()[1]  # --port 0: the one the system picked, for the start-up line
-    # Only now torch and the model code load (seconds): a port in use has already failed.
-    from engine.server.launch import serve
+    try:
+        # Only now torch and the model code load (seconds): a port in use has already failed.
+        from engine.server.launch import serve
 
-    serve(args, sock)
+        serve(args, sock)
+    except KeyboardInterrupt:  # Ctrl-C before uvicorn took the signals over: no traceback, 128 + SIGINT
+        print("interrupted while starting", file=sys.stderr)
+        raise SystemExit(130) from None
 
 
 if __name__ == "__main__":

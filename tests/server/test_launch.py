@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from engine import serve
 from model.tiny import cached_tiny
 from tests.server.conftest import ROOT, serving, wait_healthy
 
@@ -87,6 +88,16 @@ def test_port_0_serves_on_the_port_the_system_picked(tmp_path):
     finally:
         proc.kill()
         proc.wait(timeout=30)
+
+
+def test_ctrl_c_while_loading_exits_130_without_a_traceback(monkeypatch, capsys):
+    def interrupted(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("engine.server.launch.serve", interrupted)
+    with pytest.raises(SystemExit) as exited:
+        serve.main(["--host", "127.0.0.1", "--port", "0"])
+    assert exited.value.code == 130 and capsys.readouterr().err == "interrupted while starting\n"
 
 
 def free_port() -> str:
