@@ -264,6 +264,12 @@ def _check(args: argparse.Namespace) -> None:
             raise ValueError(f"--gpu-memory-utilization={args.gpu_memory_utilization} must be in (0, 1]")
         if args.kv_cache_memory is not None:
             raise ValueError("give --gpu-memory-utilization or --kv-cache-memory, not both")
+    for key in args.api_key or []:
+        if not key or key != key.strip():
+            raise ValueError(
+                f"--api-key {key!r}: empty or edged with spaces, no Authorization header can carry it "
+                "(leave --api-key out for a server without keys)"
+            )
     args.api_keys = list(args.api_key or []) or [k for v in API_KEY_VARIABLES if (k := os.environ.get(v))]
     _merge_speculative(args)
     try:

@@ -74,6 +74,8 @@ def test_a_yaml_config_under_the_command_line(tmp_path):
         (["--torch-threads", "0"], "argument --torch-threads: 0 must be at least 1"),
         (["--max-waiting-requests", "-1"], "argument --max-waiting-requests: -1 must be at least 0"),
         (["--shutdown-timeout", "nan"], "nan seconds must be finite and at least 0"),
+        (["--api-key", ""], "--api-key '': empty or edged with spaces"),
+        (["--api-key", "k", "--api-key", "k "], "--api-key 'k ': empty or edged with spaces"),
         (["--chat-template", "t.jinja"], "--chat-template t.jinja: the DeepSeek chat encoding is built in"),
     ],
 )
