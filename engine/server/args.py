@@ -264,6 +264,10 @@ def _check(args: argparse.Namespace) -> None:
             raise ValueError(f"--gpu-memory-utilization={args.gpu_memory_utilization} must be in (0, 1]")
         if args.kv_cache_memory is not None:
             raise ValueError("give --gpu-memory-utilization or --kv-cache-memory, not both")
+    if args.max_request_bytes is not None and args.max_request_bytes < 1:
+        raise ValueError(f"--max-request-bytes={args.max_request_bytes} must be at least 1")
+    if any(not name.strip() for name in args.served_model_name or []):
+        raise ValueError(f"--served-model-name {args.served_model_name}: a name must not be empty")
     for key in args.api_key or []:
         if not key or key != key.strip():
             raise ValueError(

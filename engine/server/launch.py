@@ -108,6 +108,9 @@ def serve(args: argparse.Namespace, sock: socket.socket) -> None:
     sys.setswitchinterval(0.001)
     path = Path(args.model) if args.model else cached_tiny("v41")
     try:
+        # Said plainly, not as a file's JSON error: vLLM's hub names (org/model) are not downloaded here.
+        if not path.is_dir():
+            raise ValueError(f"--model {path}: no such checkpoint folder")
         engine, plan, workers = start_engine(args, path)
         chat = select_chat_profile(engine.model.cfg.model_type, path, args.chat_encoding)
         names = args.served_model_name or [

@@ -76,6 +76,8 @@ def test_a_yaml_config_under_the_command_line(tmp_path):
         (["--shutdown-timeout", "nan"], "nan seconds must be finite and at least 0"),
         (["--api-key", ""], "--api-key '': empty or edged with spaces"),
         (["--api-key", "k", "--api-key", "k "], "--api-key 'k ': empty or edged with spaces"),
+        (["--max-request-bytes", "0"], "--max-request-bytes=0 must be at least 1"),
+        (["--served-model-name", "a", ""], "--served-model-name ['a', '']: a name must not be empty"),
         (["--chat-template", "t.jinja"], "--chat-template t.jinja: the DeepSeek chat encoding is built in"),
     ],
 )

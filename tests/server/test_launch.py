@@ -114,6 +114,8 @@ def free_port() -> str:
         (["--kv-cache-memory", "99999TiB"], "exceeds the device's"),
         (["--quantization", "w8a8"], "quantization='w8a8': the checkpoint is stored as unquantized"),
         (["--generation-config", "/nonexistent"], "no generation_config.json"),
+        (["--model", "deepseek-ai/DeepSeek-V4"], "--model deepseek-ai/DeepSeek-V4: no such checkpoint"),
+        (["--model", str(ROOT / "pyproject.toml")], "pyproject.toml: no such checkpoint folder"),
     ],
 )
 def test_a_plan_that_cannot_serve_fails_before_serving(flags: list[str], named: str):
