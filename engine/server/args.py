@@ -268,13 +268,18 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-request-bytes={args.max_request_bytes} must be at least 1")
     if any(not name.strip() for name in args.served_model_name or []):
         raise ValueError(f"--served-model-name {args.served_model_name}: a name must not be empty")
-    for key in args.api_key or []:
+    # An empty variable counts as unset (as in vLLM); an empty flag, or a key read from a file with its
+    # newline, is a mistake: no Authorization header carries it, so no client could ever be let in.
+    keys = [("--api-key", k) for k in args.api_key or []] or [
+        (v, k) for v in API_KEY_VARIABLES if (k := os.environ.get(v))
+    ]
+    for source, key in keys:
         if not key or key != key.strip():
             raise ValueError(
-                f"--api-key {key!r}: empty or edged with spaces, no Authorization header can carry it "
-                "(leave --api-key out for a server without keys)"
+                f"{source} {key!r}: empty or edged with spaces, no Authorization header can carry it "
+                "(leave it out for a server without keys)"
             )
-    args.api_keys = list(args.api_key or []) or [k for v in API_KEY_VARIABLES if (k := os.environ.get(v))]
+    args.api_keys = [key for _, key in keys]
     _merge_speculative(args)
     try:
         engine_config(args)  # EngineConfig's checks, before the port opens

@@ -41,6 +41,13 @@ def test_api_keys_come_from_the_environment_when_no_flag_names_one(monkeypatch):
     assert parse_args(["--api-key", "flag"]).api_keys == ["flag"]
 
 
+def test_an_api_key_variable_with_its_newline_is_refused_naming_the_variable(monkeypatch, capsys):
+    monkeypatch.setenv("VLLM_API_KEY", "from-file\n")
+    with pytest.raises(SystemExit):
+        parse_args([])
+    assert "VLLM_API_KEY 'from-file\\n': empty or edged with spaces" in capsys.readouterr().err
+
+
 def test_a_yaml_config_under_the_command_line(tmp_path):
     config = tmp_path / "serve.yaml"
     config.write_text("max_model_len: 2048\nport: 9000\nenforce-eager: true\nserved-model-name: [a, b]\n")
