@@ -13,7 +13,8 @@ SPECULATIVE_ALIASES = {"mtp": "mtp", "deepseek_mtp": "mtp", "dspark": "dspark"}
 
 def _flag(default: Any, help: str, **cli: Any) -> Any:
     """An engine field and its server flag ``--field-name``: the help, and how the flag reads its value
-    (``unit``: ``tokens`` as 64k / ``bytes`` as 8GiB; ``choices``; ``unset``: the flag defaults to None,
+    (``unit``: ``tokens`` as 64k / ``bytes`` as 8GiB / ``tokens or auto``, vLLM's `auto` read as None,
+    settled at start-up; ``choices``; ``unset``: the flag defaults to None,
     meaning the field's default, so another flag can stand in for it; ``cli=False``: declared by hand with
     its siblings, as ``--tensor-parallel-size`` is beside vLLM's other parallel flags)."""
     return field(default=default, metadata={"help": help, **cli})
@@ -26,7 +27,8 @@ class EngineConfig:
 
     max_num_seqs: int = _flag(64, "requests scheduled together")
     max_num_batched_tokens: int = _flag(1024, "tokens per step, prefill chunks and decodes", unit="tokens")
-    max_model_len: int = _flag(4096, "prompt + completion limit, e.g. 4096 or 64k", unit="tokens")
+    max_model_len: int = _flag(4096, "prompt + completion limit, e.g. 4096 or 64k; auto (or -1): the longest "
+                               "the KV cache holds", unit="tokens or auto")  # fmt: skip
     block_size: int = _flag(16, "tokens per KV block")
     kv_cache_memory: int = _flag(256 * 2**20, "bytes for the KV cache, e.g. 8GiB or 268435456",
                                  unit="bytes", unset=True)  # fmt: skip

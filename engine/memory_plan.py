@@ -64,7 +64,7 @@ def plan_memory(
     quantization: str,
     *,
     max_num_batched_tokens: int,
-    max_model_len: int,
+    max_model_len: int | None,
     block_size: int,
     kv_cache_memory: int | None = None,
     gpu_memory_utilization: float | None = None,
@@ -75,7 +75,8 @@ def plan_memory(
     """The plan for serving ``path`` on one device (``parallel``: that of the rank it names, every rank's
     KV cache sized alike); ``gpu_memory_utilization`` shares ``device_bytes`` between weights,
     activations and the KV cache, else the KV cache gets ``kv_cache_memory`` bytes, if the device has
-    them beside the weights and activations (``device_bytes``, when given)."""
+    them beside the weights and activations (``device_bytes``, when given). ``max_model_len`` None (vLLM's
+    ``auto``): the longest request that KV cache holds, at most the model's ``max_position_embeddings``."""
     model, _, _ = plan_shard(path, dtype, quantization, parallel)
     weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     itemsize = torch.empty(0, dtype=dtype).element_size()
@@ -97,7 +98,11 @@ def plan_memory(
             )
     groups = cache_groups(model.cfg, itemsize)
     cache = KVCacheManager(groups, block_size, 1)
-    per_request = cache.max_blocks(max_model_len + lookahead, max_num_batched_tokens + lookahead)
+    chunk = max_num_batched_tokens + lookahead
+    if max_model_len is None:
+        fits = max(kv, 0) // cache.block_bytes
+        max_model_len = longest_request(cache, fits, model.cfg.max_position_embeddings, chunk, lookahead)
+    per_request = cache.max_blocks(max_model_len + lookahead, chunk)
     plan = MemoryPlan(weights, activations, max(kv, 0), cache.block_bytes, per_request, max_model_len, how)
     if plan.num_blocks < per_request:
         raise ValueError(
@@ -107,3 +112,13 @@ def plan_memory(
             f"{per_request * cache.block_bytes / GIB:.3f} GiB: give more memory or lower max_model_len"
         )
     return plan
+
+
+def longest_request(cache: KVCacheManager, num_blocks: int, cap: int, chunk: int, lookahead: int) -> int:
+    """The most tokens, up to ``cap``, one request may hold in ``num_blocks`` blocks (1 when none fit, so
+    that the plan's refusal names the shortfall); a request's blocks grow with its length."""
+    low, high = 1, cap
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if cache.max_blocks(mid + lookahead, chunk) <= num_blocks else (low, mid - 1)
+    return low

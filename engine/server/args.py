@@ -23,7 +23,7 @@ from typing import Any
 import yaml
 
 from engine.config import SPECULATIVE_ALIASES, EngineConfig
-from engine.server.flag_values import int_in, parse_count, parse_size, port, seconds
+from engine.server.flag_values import int_in, parse_count, parse_count_or_auto, parse_size, port, seconds
 from model.chat_profile import PROFILES
 
 # vLLM's names for the DeepSeek V4 tokenizer, tool-call and reasoning parsers: all built in here.
@@ -151,7 +151,7 @@ def ignored_notes(args: argparse.Namespace) -> list[str]:
     ]
 
 
-_UNITS = {"tokens": parse_count, "bytes": parse_size}
+_UNITS = {"tokens": parse_count, "tokens or auto": parse_count_or_auto, "bytes": parse_size}
 _TYPES = {"int": int, "float": float, "str": str}
 
 

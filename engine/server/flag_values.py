@@ -36,6 +36,11 @@ def parse_count(text: str) -> int:
     return int(count)
 
 
+def parse_count_or_auto(text: str) -> int | None:
+    """A token count, or None for vLLM's `auto` (also written -1): the engine settles it at start-up."""
+    return None if text.strip() in ("auto", "-1") else parse_count(text)
+
+
 def int_in(low: int, high: int | None = None) -> Callable[[str], int]:
     """A flag's type: an integer from ``low`` (to ``high``)."""
 

@@ -43,7 +43,7 @@ def memory_budget(args: argparse.Namespace, config: EngineConfig) -> dict:
     share = args.gpu_memory_utilization
     return {
         "max_num_batched_tokens": config.max_num_batched_tokens,
-        "max_model_len": config.max_model_len,
+        "max_model_len": None if args.max_model_len is None else config.max_model_len,  # None: auto
         "block_size": config.block_size,
         "kv_cache_memory": None if share else config.kv_cache_memory,
         "gpu_memory_utilization": share,
@@ -71,7 +71,7 @@ def start_engine(
     args: argparse.Namespace, path: Path
 ) -> tuple[LLMEngine | DataParallelEngine, MemoryPlan, Workers | None]:
     cfg = ModelConfig.from_file(path)
-    if args.max_model_len > cfg.max_position_embeddings:
+    if args.max_model_len is not None and args.max_model_len > cfg.max_position_embeddings:
         raise ValueError(
             f"--max-model-len={args.max_model_len} exceeds the model's max_position_embeddings="
             f"{cfg.max_position_embeddings}"
@@ -84,7 +84,7 @@ def start_engine(
     rank0 = ParallelContext(0, world, data_parallel=data_parallel) if world > 1 else None
     plan = plan_memory(path, dtype, quantization, parallel=rank0, **memory_budget(args, config))
     log.info(plan.line())
-    config = dataclasses.replace(config, kv_cache_memory=plan.kv_bytes)
+    config = dataclasses.replace(config, kv_cache_memory=plan.kv_bytes, max_model_len=plan.max_model_len)
     model, workers = load_ranks(path, dtype, device, config, quantization, rendezvous(args))
     return build_engine(model, load_tokenizer(path), config, workers), plan, workers
 

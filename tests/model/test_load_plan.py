@@ -11,6 +11,7 @@ from engine.kv_cache import KVCacheManager
 from engine.memory_plan import plan_memory
 from model.cache import cache_groups
 from model.checkpoint import load_model
+from model.config import ModelConfig
 from model.tiny import write_tiny
 
 SHAPE = {"max_num_batched_tokens": 256, "max_model_len": 1024, "block_size": 16}
@@ -50,6 +51,18 @@ def test_a_plan_that_cannot_hold_one_request_is_refused(fp8_dir):
         ValueError, match=r"--kv-cache-memory=1099511627776 B .* exceeds the device's 1.0 GiB"
     ):
         plan_memory(fp8_dir, torch.float32, "auto", kv_cache_memory=2**40, device_bytes=2**30, **SHAPE)
+
+
+def test_max_model_len_auto_is_the_longest_request_the_kv_cache_holds(fp8_dir):
+    """vLLM's `--max-model-len auto`: as long as the KV cache holds one request, at most the model's."""
+    shape = {**SHAPE, "max_model_len": None}
+    cfg = ModelConfig.from_file(fp8_dir)
+    small = plan_memory(fp8_dir, torch.float32, "auto", kv_cache_memory=2**21, **shape)
+    cache = KVCacheManager(cache_groups(cfg, 4), SHAPE["block_size"], 1)
+    chunk = SHAPE["max_num_batched_tokens"]
+    assert small.blocks_per_request <= small.num_blocks < cache.max_blocks(small.max_model_len + 1, chunk)
+    big = plan_memory(fp8_dir, torch.float32, "auto", kv_cache_memory=2**40, **shape)
+    assert big.max_model_len == cfg.max_position_embeddings
 
 
 def test_the_plan_reserves_the_mtp_drafts_lookahead(fp8_dir):

@@ -35,6 +35,12 @@ def test_token_counts_as_vllm_writes_them(text: str, count: int):
     assert parse_count(text) == count
 
 
+@pytest.mark.parametrize("text", ["auto", "-1"])
+def test_max_model_len_auto_is_left_to_the_memory_plan(text: str):
+    args = parse_args(["--max-model-len", text])
+    assert args.max_model_len is None and engine_config(args) == EngineConfig()
+
+
 def test_api_keys_come_from_the_environment_when_no_flag_names_one(monkeypatch):
     monkeypatch.setenv("VLLM_API_KEY", "from-env")
     assert parse_args([]).api_keys == ["from-env"]
