@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from triton_kernels import runtime, tuning
+from triton_kernels.rmsnorm import rms_norm_ref
 from triton_kernels.safe_access import gather_rows
 from triton_kernels.spec import TuneConfig, Variant
 
@@ -130,9 +131,7 @@ def _check_eps(norm_eps: float, hc_eps: float) -> None:
 
 
 def _normed_mix(x: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
-    flat = x.flatten(1).float()
-    flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
-    return flat @ fn.T
+    return rms_norm_ref(x.flatten(1).float(), None, norm_eps) @ fn.T
 
 
 def hc_coeffs_ref(
