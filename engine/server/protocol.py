@@ -14,6 +14,7 @@ alone also turns thinking on).
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Annotated, Any, Literal, get_args
 
@@ -107,12 +108,18 @@ class _Schema(BaseModel):
     def _null_is_unset(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
-        defaulted = {
-            field.alias or name
-            for name, field in cls.model_fields.items()
-            if not field.is_required() and type(None) not in get_args(field.annotation)
-        }
+        defaulted = _defaulted_fields(cls)
         return {k: v for k, v in data.items() if v is not None or k not in defaulted}
+
+
+@functools.cache
+def _defaulted_fields(schema: type[BaseModel]) -> frozenset[str]:
+    """The fields of ``schema`` (their names in a body) that have a default and cannot hold null."""
+    return frozenset(
+        field.alias or name
+        for name, field in schema.model_fields.items()
+        if not field.is_required() and type(None) not in get_args(field.annotation)
+    )
 
 
 class _Strict(_Schema):
