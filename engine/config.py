@@ -51,6 +51,12 @@ class EngineConfig:
         return self.tensor_parallel_size * self.data_parallel_size
 
     @property
+    def data_parallel(self) -> bool:
+        """Whether the ranks are data-parallel engines (the routed experts split over them) rather than
+        one engine's tensor-parallel shards."""
+        return self.data_parallel_size > 1
+
+    @property
     def prefix_caching(self) -> bool:
         """Whether prefix caching is on: as asked, else on (under tensor and data parallel too)."""
         return self.enable_prefix_caching is not False

@@ -18,8 +18,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.prefix_cache import Checkpoint, Hit, Page, PrefixCache
-from model.cache import CacheGroup, CacheLayout
+from engine.config import EngineConfig
+from engine.prefix_cache import Checkpoint, Hit, Page, PrefixCache, cache_salt, check_page_size
+from model.cache import CacheGroup, CacheLayout, cache_groups
+from model.causal_lm import CausalLM
 
 
 @dataclass
@@ -64,6 +66,14 @@ class KVCacheManager:
         if memory_bytes < block_bytes:
             raise ValueError(f"kv cache memory {memory_bytes} B is below one block ({block_bytes} B)")
         return cls(groups, block_size, memory_bytes // block_bytes, prefix)
+
+    @classmethod
+    def for_model(cls, model: CausalLM, config: EngineConfig, prefix: bool = True) -> KVCacheManager:
+        """The cache ``config`` sizes for ``model``'s groups; ``prefix``: with the prefix cache ``config``
+        asks for (a tensor-parallel worker's cache mirrors rank 0's tables, so it keeps none)."""
+        groups = cache_groups(model.cfg, model.embed.weight.element_size())
+        prefix_cache = _prefix_cache(model, config) if prefix else None
+        return cls.from_budget(groups, config.block_size, config.kv_cache_memory, prefix_cache)
 
     @property
     def num_free(self) -> int:
@@ -277,3 +287,12 @@ class KVCacheManager:
                 span = min(num_tokens, max_chunk + group.window - 1)
                 peak += -(-span // per_block) + 1
         return peak
+
+
+def _prefix_cache(model: CausalLM, config: EngineConfig) -> PrefixCache | None:
+    if not config.prefix_caching:
+        return None
+    cfg = model.cfg
+    check_page_size(config.prefix_page_size, tuple(cfg.compress_ratios), cfg.sliding_window)
+    dtypes = sorted({str(p.dtype) for p in model.parameters()})  # int8 where requantised
+    return PrefixCache(config.prefix_page_size, cache_salt(repr(cfg), *dtypes))

@@ -1,5 +1,6 @@
 """The engine loop: ``LLMEngine.step() = Scheduler.schedule() -> ModelRunner.run() -> Sampler -> update``
-(``-> Proposer`` when speculating), and ``LLM``, the offline API on top of it."""
+(``-> Proposer`` when speculating). ``engine.factory`` builds it; ``engine.llm.LLM`` and the server
+drive it."""
 
 from __future__ import annotations
 
@@ -13,15 +14,13 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import KVCacheManager
 from engine.model_runner import ModelRunner
-from engine.prefix_cache import PrefixCache, cache_salt, check_page_size
 from engine.request import FinishReason, InvalidRequest, Request, SamplingParams, is_integer
 from engine.sampler import Sampler
 from engine.scheduler import ScheduledChunk, Scheduler
 from engine.spec_decode import build_proposer
 from engine.spec_decode.proposer import Observation, Proposer
 from engine.spec_decode.stats import SpecDecodeStats
-from engine.workers import LeaderRunner, Workers
-from model.cache import BoundaryState, SeqCache, cache_groups
+from model.cache import BoundaryState, SeqCache
 from model.causal_lm import CausalLM
 from triton_kernels.tuning import load_tuned_files
 
@@ -57,19 +56,15 @@ class LLMEngine:
         tokenizer: Tokenizer,
         config: EngineConfig,
         proposer: Proposer | None = None,
-        workers: Workers | None = None,
+        runner: ModelRunner | None = None,
     ):
         """``proposer`` replaces the one ``config.speculative_method`` names (tests, benchmarks);
-        ``workers``: the other tensor-parallel ranks, which run each step's forward with this one."""
+        ``runner`` runs the steps over its KV cache (``engine.factory`` gives rank 0's under tensor
+        parallelism); None: a runner of this process alone, over the cache ``config`` sizes."""
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.tuned_files = load_tuned_files()  # a bad file fails here, before any request
-        groups = cache_groups(model.cfg, model.embed.weight.element_size())
-        self.cache = KVCacheManager.from_budget(
-            groups, config.block_size, config.kv_cache_memory, self._prefix_cache(model, config)
-        )
-        self.runner = (
-            ModelRunner(model, self.cache) if workers is None else LeaderRunner(model, self.cache, workers)
-        )
+        self.runner = runner or ModelRunner(model, KVCacheManager.for_model(model, config))
+        self.cache = self.runner.cache
         self.sampler = Sampler(config.seed, model.cfg.eos_token_id)
         self.proposer, self.num_drafts = build_proposer(
             config, model, self.runner.pools, self.sampler, proposer, self.runner.share
@@ -83,15 +78,6 @@ class LLMEngine:
         self.step_tokens = 0  # tokens the last step computed
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._arrivals = 0
-
-    @staticmethod
-    def _prefix_cache(model: CausalLM, config: EngineConfig) -> PrefixCache | None:
-        if not config.prefix_caching:
-            return None
-        cfg = model.cfg
-        check_page_size(config.prefix_page_size, tuple(cfg.compress_ratios), cfg.sliding_window)
-        dtypes = sorted({str(p.dtype) for p in model.parameters()})  # int8 where requantised
-        return PrefixCache(config.prefix_page_size, cache_salt(repr(cfg), *dtypes))
 
     def add_request(
         self, prompt: list[int], params: SamplingParams, request_id: str | None = None

@@ -16,7 +16,7 @@ from engine.kv_cache import KVCacheManager
 from model.cache import cache_groups
 from model.checkpoint import plan_shard
 from model.config import ModelConfig
-from model.parallel import ParallelContext
+from model.parallel.context import ParallelContext
 
 GIB = 2**30
 

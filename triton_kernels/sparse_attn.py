@@ -60,7 +60,7 @@ import triton.language as tl
 from triton_kernels import runtime, tuning
 from triton_kernels.quant import dequantize_int8
 from triton_kernels.rope import apply_rope_ref, rotate_rope_channels_triton
-from triton_kernels.safe_access import gather_rows, take_rows
+from triton_kernels.shared import gather_rows, take_rows
 from triton_kernels.spec import TuneConfig, Variant
 
 MAX_HEADS = 128

@@ -9,7 +9,7 @@ import pytest
 from engine.kv_cache import KVCacheManager
 from model.cache import CacheGroup, cache_groups
 from model.config import ModelConfig
-from model.tiny import TOY_V4
+from model.testing.tiny import TOY_V4
 
 GROUPS = (
     CacheGroup("window", 1, 64, window=8),

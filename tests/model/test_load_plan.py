@@ -12,7 +12,7 @@ from engine.memory_plan import plan_memory
 from model.cache import cache_groups
 from model.checkpoint import load_model
 from model.config import ModelConfig
-from model.tiny import write_tiny
+from model.testing.tiny import write_tiny
 
 SHAPE = {"max_num_batched_tokens": 256, "max_model_len": 1024, "block_size": 16}
 

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import pytest
 
-from engine.data_parallel import ShadowRequest
 from engine.llm import LLM
-from engine.rank_group import WorkerFailed
+from engine.parallel.data_parallel import ShadowRequest
+from engine.parallel.group import WorkerFailed
 from engine.request import InvalidRequest, SamplingParams
 from model.cache import block_layout, cache_groups
 from model.config import ModelConfig
-from model.parallel import DispatchMoE
-from model.tiny import cached_tiny
+from model.parallel.modules import DispatchMoE
+from model.testing.tiny import cached_tiny
 from tests.parallel.conftest import kill_worker
 
 # 40, 4 and 30 prompt tokens: chunks of 16; rank 0 gets the first and the last, rank 1 the short one.

@@ -1,6 +1,6 @@
 """Data-parallel attention with expert parallel (design "Parallelism", stage B): every rank is an engine of
 its own (requests, scheduler, KV cache, a whole model but for the routed experts, split over the ranks),
-and the MoE blocks exchange their tokens by all-to-all (``model.parallel.DispatchMoE``).
+and the MoE blocks exchange their tokens by all-to-all (``model.parallel.modules.DispatchMoE``).
 
 Rank 0 is the front. It spreads new requests over the ranks (the least loaded first) and keeps a shadow
 of each request another rank runs. Every step it broadcasts the plan (the requests each rank admits,
@@ -8,12 +8,13 @@ the aborted ones) on the workers' CPU group; then every rank steps, and gathers 
 produced. The ranks step in lockstep: one with nothing to compute dispatches zero tokens through its MoE
 blocks (``idle_step``), so every all-to-all finds all ranks; when speculating, every rank also runs as
 many draft forwards as the rank that drafts the most (``LockstepProposer``). Processes and faults are
-the workers' (``engine.workers``), the rendezvous ``engine.rank_group``'s.
+the workers' (``processes``), the rendezvous ``group``'s.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -22,12 +23,14 @@ from tokenizers import Tokenizer
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.llm_engine import Completion, LLMEngine
-from engine.rank_plans import STEP, RankReport, next_plan, report
+from engine.parallel.plans import STEP, RankReport, next_plan, report
 from engine.request import FinishReason, InvalidRequest, Proposal, Request, SamplingParams, Status
 from engine.spec_decode.proposer import Observation, Proposer
-from engine.workers import Workers
 from model.causal_lm import CausalLM
-from model.parallel import idle_step
+from model.parallel.modules import idle_step
+
+if TYPE_CHECKING:  # its processes spawn this module's worker loop
+    from engine.parallel.processes import Workers
 
 
 @dataclass(frozen=True)
@@ -255,14 +258,3 @@ class DataParallelEngine:
 
     def reports(self) -> list[RankReport]:
         return self.workers.reports(report(self.local.runner))
-
-
-def build_engine(
-    model: CausalLM, tokenizer: Tokenizer, config: EngineConfig, workers: Workers | None
-) -> LLMEngine | DataParallelEngine:
-    """Rank 0's engine over ``workers``: the data-parallel front over its own engine, or one engine that
-    runs every step with the tensor-parallel workers (none: a single process)."""
-    if config.data_parallel_size > 1:
-        assert workers is not None
-        return DataParallelEngine(lockstep_engine(model, tokenizer, config), workers)
-    return LLMEngine(model, tokenizer, config, workers=workers)
