@@ -11,6 +11,19 @@ SPECULATIVE_METHODS = ("mtp", "dspark")
 SPECULATIVE_ALIASES = {"mtp": "mtp", "deepseek_mtp": "mtp", "dspark": "dspark"}
 
 
+def read_speculative_config(config: Any, name: str) -> tuple[str, int | None]:
+    """vLLM's ``speculative_config`` (``{"method": ..., "num_speculative_tokens": ...}``) as our method and
+    draft count; ``name``: how an error names it (the server's flag, ``LLM``'s argument)."""
+    if not isinstance(config, dict):
+        raise ValueError(f"{name} must be a JSON object, not {config!r}")
+    if unknown := sorted(set(config) - {"method", "num_speculative_tokens"}):
+        raise ValueError(f"{name}: {', '.join(unknown)} not supported (method, num_speculative_tokens)")
+    method = SPECULATIVE_ALIASES.get(config.get("method"))
+    if method is None:
+        raise ValueError(f"{name} method={config.get('method')!r}: one of {sorted(SPECULATIVE_ALIASES)}")
+    return method, config.get("num_speculative_tokens")
+
+
 def _flag(default: Any, help: str, **cli: Any) -> Any:
     """An engine field and its server flag ``--field-name``: the help, and how the flag reads its value
     (``unit``: ``tokens`` as 64k / ``bytes`` as 8GiB / ``tokens or auto``, vLLM's `auto` read as None,

@@ -14,6 +14,7 @@ import torch
 from tokenizers import Tokenizer
 
 from engine.config import EngineConfig
+from engine.interface import Engine
 from engine.kv_cache import KVCacheManager
 from engine.llm_engine import LLMEngine
 from engine.memory_plan import MemoryPlan, plan_memory
@@ -35,7 +36,7 @@ class Started:
     """What the start sequence leaves running: the engine, the other ranks' workers (None: one process)
     and the memory plan it sized the KV cache with (None: ``EngineConfig.kv_cache_memory`` as given)."""
 
-    engine: LLMEngine | DataParallelEngine
+    engine: Engine
     workers: Workers | None
     memory: MemoryPlan | None
 
@@ -86,7 +87,7 @@ def build_engine(
     config: EngineConfig,
     workers: Workers | None,
     proposer: Proposer | None = None,
-) -> LLMEngine | DataParallelEngine:
+) -> Engine:
     """Rank 0's engine over ``workers``: the data-parallel front over its own engine, or one engine that
     runs every step with the tensor-parallel workers (none: a single process); ``proposer``: as
     ``LLMEngine``'s (tests and benchmarks)."""

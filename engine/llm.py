@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from engine.config import SPECULATIVE_ALIASES, EngineConfig
+from engine.config import EngineConfig, read_speculative_config
 from engine.factory import default_model, start_engine
 from engine.request import Request, SamplingParams
 from model.chat import encode_messages
@@ -74,13 +74,8 @@ class LLM:
         if unknown := sorted(set(engine_args) - known):
             raise ValueError(f"unknown engine arguments {unknown}; known: {sorted(known)}")
         if speculative_config is not None:
-            method = SPECULATIVE_ALIASES.get(speculative_config.get("method"))
-            if method is None or set(speculative_config) - {"method", "num_speculative_tokens"}:
-                methods = sorted(SPECULATIVE_ALIASES)
-                raise ValueError(f"speculative_config={speculative_config!r}: method ({methods}) and "
-                                 "num_speculative_tokens only")  # fmt: skip
-            engine_args["speculative_method"] = method
-            engine_args["num_speculative_tokens"] = speculative_config.get("num_speculative_tokens")
+            method, tokens = read_speculative_config(speculative_config, "speculative_config")
+            engine_args["speculative_method"], engine_args["num_speculative_tokens"] = method, tokens
         model = default_model() if model is None else model
         config = EngineConfig(
             tensor_parallel_size=tensor_parallel_size,

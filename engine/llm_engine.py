@@ -4,6 +4,7 @@ drive it."""
 
 from __future__ import annotations
 
+import copy
 import logging
 from dataclasses import dataclass
 
@@ -12,9 +13,10 @@ from tokenizers import Tokenizer
 
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.interface import EngineStats
 from engine.kv_cache import KVCacheManager
 from engine.model_runner import ModelRunner
-from engine.request import FinishReason, InvalidRequest, Request, SamplingParams, is_integer
+from engine.request import FinishReason, InvalidRequest, LogitsProcessor, Request, SamplingParams, is_integer
 from engine.sampler import Sampler
 from engine.scheduler import ScheduledChunk, Scheduler
 from engine.spec_decode import build_proposer
@@ -50,6 +52,8 @@ class Completion:
 
 
 class LLMEngine:
+    """The ``Engine`` of one process, or of rank 0 over tensor-parallel workers (its runner's)."""
+
     def __init__(
         self,
         model: CausalLM,
@@ -80,11 +84,16 @@ class LLMEngine:
         self._arrivals = 0
 
     def add_request(
-        self, prompt: list[int], params: SamplingParams, request_id: str | None = None
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        logits_processor: LogitsProcessor | None = None,
     ) -> Request:
         """Validate and queue a request; everything that could never run is rejected here."""
         self.validate(prompt, params)
         request = Request(list(prompt), params, arrival=self._arrivals)
+        request.logits_processor = logits_processor
         if request_id is not None:
             if request_id in self.requests:
                 raise ValueError(f"request id {request_id!r} is already in use")
@@ -237,6 +246,16 @@ class LLMEngine:
         request.proposal = None
         if self.proposer:
             self.proposer.release(request.id)
+
+    def streamed_text(self, request: Request) -> str:
+        return self.detokenizers[request.id].text
+
+    def stats(self) -> EngineStats:
+        scheduler, cache = self.scheduler, self.cache
+        spec = None if self.proposer is None else copy.deepcopy(self.spec_stats)  # read from another thread
+        return EngineStats(len(scheduler.running), cache.num_blocks, cache.usage_ratio(), self.step_tokens,
+                           scheduler.preemptions, scheduler.prefix_queries, scheduler.prefix_hits,
+                           spec)  # fmt: skip
 
     def text(self, request: Request) -> str:
         text = self.tokenizer.decode(request.output, skip_special_tokens=request.params.skip_special_tokens)

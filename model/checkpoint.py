@@ -306,7 +306,6 @@ def plan_shard(
         model.checkpoint_names(), {name: unpacked_shape(name, stored) for name in weight_names(stored)}
     )
     check_scales(stored, cfg.fp8_block)
-    check_description(path, stored)
     shard = None
     if parallel is not None and parallel.world > 1:
         shard = shard_model(model, parallel)

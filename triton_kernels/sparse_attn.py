@@ -598,7 +598,7 @@ _ATTN_VARIANTS = tuple(
 _prefill_tuned = tuning.TunedKernel(
     _sparse_attn_kernel, _PREFILL_CONFIGS, ["H", "D"], "prefill", variants=_ATTN_VARIANTS, uses_cube=True
 )
-# Decode batches come in the fixed sizes the engine captures graphs for: tuned per batch size.
+# Decode is tuned per batch size too (T in the key): the best split of a decode batch depends on its size.
 _decode_tuned = tuning.TunedKernel(
     _sparse_attn_kernel, _DECODE_CONFIGS, ["T", "H", "D"], "decode", variants=_ATTN_VARIANTS, uses_cube=True
 )

@@ -115,7 +115,7 @@ def serve(args: argparse.Namespace, sock: socket.socket) -> None:
     kernels = f"{len(tuned)} tuned files in {tuned[0].parent}" if tuned else "heuristic defaults (none tuned)"
     announce = "\n".join([
         f"deepseek-ascend {version('deepseek-ascend')}; non-default flags: {non_default(args) or 'none'}",
-        f"Model on {engine.runner.device} in {engine.model.embed.weight.dtype}",
+        f"Model on {engine.model.embed.weight.device} in {engine.model.embed.weight.dtype}",
         plan.line(),
         f"Chat encoding: {chat.name}" + (" (--chat-encoding)" if args.chat_encoding else ""),
         f"Kernel configs for {runtime.sku()}: {kernels}",
