@@ -16,7 +16,9 @@ from model.testing.tiny import ARCHS, write_tiny
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="Write a tiny or a width-faithful checkpoint.")
+    parser = argparse.ArgumentParser(
+        "python -m model.testing", description="Write a tiny or a width-faithful checkpoint."
+    )
     parser.add_argument("--arch", default="v4", choices=ARCHS)
     parser.add_argument("--out", required=True)
     parser.add_argument(
