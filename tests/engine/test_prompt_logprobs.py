@@ -12,7 +12,7 @@ from engine.llm_engine import EngineConfig, LLMEngine
 from engine.prompt_logprobs import score_prompt
 from engine.request import SamplingParams
 from model.checkpoint import load_model
-from model.tiny import cached_tiny
+from model.testing.tiny import cached_tiny
 from model.tokenizer import load_tokenizer
 
 PAGE = {"v4": 128, "v41": 32}  # the smallest prefix page each tiny model allows

@@ -10,7 +10,7 @@ import torch
 from engine.llm import LLM
 from engine.request import SamplingParams
 from model.checkpoint import load_model
-from model.tiny import cached_tiny
+from model.testing.tiny import cached_tiny
 
 # Three prompts over chunks of 16: data parallel spreads them over both ranks.
 PROMPTS = [list(range(2, 42)), [0, 911, 37, 5], list(range(100, 130))]

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from model.checkpoint import load_model
-from model.tiny import cached_tiny
+from model.testing.tiny import cached_tiny
 from tests.engine.test_prompt_logprobs import TOL, rank_fits
 from tests.server.conftest import MODEL, Served, serving
 
