@@ -31,28 +31,30 @@ venv() {
     echo "$dir"
 }
 
-run_guidellm() {  # synthetic prompts, streamed chat, at three request rates
+run_guidellm() {  # synthetic prompts, streamed: chat at three request rates, then completions
     local bin
     bin=$(VENV_BIN=guidellm venv guidellm guidellm==0.8.1)/bin
-    for rate in 0.5 1 2; do
+    for run in chat:0.5 chat:1 chat:2 completions:1; do
         HF_HUB_OFFLINE=1 "$bin/guidellm" run --disable-console-interactive \
-            --backend "kind=openai_http,target=$URL,model=tiny" \
+            --backend "kind=openai_http,target=$URL,model=tiny,request_format=/v1/${run%:*}" \
             --tokenizer "kind=huggingface_auto,model=$TINY" \
             --data kind=synthetic_text,prompt_tokens=64,output_tokens=16 \
-            --profile "kind=constant,rate=$rate" \
+            --profile "kind=constant,rate=${run#*:}" \
             --constraint kind=max_requests,count=8 --constraint kind=max_duration,seconds=120 \
-            --output "kind=json,path=$OUT/guidellm/rate-$rate.json"
+            --output "kind=json,path=$OUT/guidellm/${run/:/-}.json"
     done
 }
 
-run_aiperf() {  # streamed chat at a concurrency of 4; usage counts from the server (the tiny model's
-    # random text does not re-tokenize to as many tokens)
-    local bin
+run_aiperf() {  # streamed chat, then streamed completions, at a concurrency of 4; token counts from
+    # the server's usage (the tiny model's random text does not re-tokenize to as many tokens)
+    local bin endpoint
     bin=$(VENV_BIN=aiperf venv aiperf aiperf==0.13.0)/bin
     # A local folder is read as one; aiperf's offline switch would look for a hub cache entry instead.
-    "$bin/aiperf" profile --ui-type none --model tiny --url "$URL" --endpoint-type chat --streaming \
-        --tokenizer "$TINY" --use-server-token-count --isl 64 --osl 16 --extra-inputs ignore_eos:true \
-        --request-count 16 --concurrency 4 --output-artifact-dir "$OUT/aiperf"
+    for endpoint in chat completions; do
+        "$bin/aiperf" profile --ui-type none --model tiny --url "$URL" --endpoint-type $endpoint --streaming \
+            --tokenizer "$TINY" --use-server-token-count --isl 64 --osl 16 --extra-inputs ignore_eos:true \
+            --request-count 16 --concurrency 4 --output-artifact-dir "$OUT/aiperf/$endpoint"
+    done
 }
 
 run_lmeval_chat() {  # a generate_until task from a local JSONL file over /v1/chat/completions
