@@ -32,16 +32,17 @@ venv() {
 }
 
 run_guidellm() {  # synthetic prompts, streamed: chat at three request rates, then completions
-    local bin
+    local bin run route rate
     bin=$(VENV_BIN=guidellm venv guidellm guidellm==0.8.1)/bin
-    for run in chat:0.5 chat:1 chat:2 completions:1; do
+    for run in chat/completions@0.5 chat/completions@1 chat/completions@2 completions@1; do
+        route=${run%@*} rate=${run#*@}
         HF_HUB_OFFLINE=1 "$bin/guidellm" run --disable-console-interactive \
-            --backend "kind=openai_http,target=$URL,model=tiny,request_format=/v1/${run%:*}" \
+            --backend "kind=openai_http,target=$URL,model=tiny,request_format=/v1/$route" \
             --tokenizer "kind=huggingface_auto,model=$TINY" \
             --data kind=synthetic_text,prompt_tokens=64,output_tokens=16 \
-            --profile "kind=constant,rate=${run#*:}" \
+            --profile "kind=constant,rate=$rate" \
             --constraint kind=max_requests,count=8 --constraint kind=max_duration,seconds=120 \
-            --output "kind=json,path=$OUT/guidellm/${run/:/-}.json"
+            --output "kind=json,path=$OUT/guidellm/${route/\//-}-$rate.json"
     done
 }
 
