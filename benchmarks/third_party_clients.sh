@@ -69,7 +69,7 @@ run_lmeval_chat() {  # a generate_until task from a local JSONL file over /v1/ch
 
 cd "$ROOT"
 mkdir -p "$OUT"
-TINY=$($PYTHON -c "from model.tiny import cached_tiny; print(cached_tiny('v41'))")
+TINY=$($PYTHON -c "from model.testing.tiny import cached_tiny; print(cached_tiny('v41'))")
 $PYTHON -m engine.serve "$TINY" --host 127.0.0.1 --port "$PORT" --served-model-name tiny \
     --max-model-len 2048 >"$OUT/server.log" 2>&1 &
 SERVER=$!
