@@ -107,7 +107,7 @@ def worker_main(rank: int, world: int, meet: Rendezvous, device: str, timeout_s:
 
             engine = lockstep_engine(model, load_tokenizer(spec.path), config)
         else:
-            groups = cache_groups(model.cfg, model.embed.weight.element_size())
+            groups = cache_groups(model.cfg, model.embed.weight.element_size(), config.kv_cache_dtype)
             cache = KVCacheManager.from_budget(groups, config.block_size, config.kv_cache_memory)
             runner = FollowerRunner(model, cache, control, config)
     except Exception as err:  # reported to rank 0, which raises it naming this rank

@@ -21,6 +21,7 @@ from engine.config import SPECULATIVE_ALIASES, EngineConfig
 from engine.data_parallel import build_engine
 from engine.request import Request, SamplingParams
 from engine.workers import load_ranks
+from model.cache import check_kv_cache_device
 from model.chat import encode_messages
 from model.chat_profile import select_chat_profile
 from model.checkpoint import loader_quantization, placement
@@ -94,6 +95,7 @@ class LLM:
             enable_expert_parallel=enable_expert_parallel,
             **engine_args,
         )
+        check_kv_cache_device(config.kv_cache_dtype, where)  # before any weight loads
         quantization = loader_quantization(model, quantization)
         built, self.workers = load_ranks(model, compute_dtype, where, config, quantization)
         if self.workers:

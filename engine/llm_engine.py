@@ -21,7 +21,7 @@ from engine.spec_decode import build_proposer
 from engine.spec_decode.proposer import Observation, Proposer
 from engine.spec_decode.stats import SpecDecodeStats
 from engine.workers import LeaderRunner, Workers
-from model.cache import BoundaryState, SeqCache, cache_groups
+from model.cache import BoundaryState, SeqCache, cache_groups, check_kv_cache_device
 from model.causal_lm import CausalLM
 from triton_kernels.tuning import load_tuned_files
 
@@ -63,7 +63,8 @@ class LLMEngine:
         ``workers``: the other tensor-parallel ranks, which run each step's forward with this one."""
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.tuned_files = load_tuned_files()  # a bad file fails here, before any request
-        groups = cache_groups(model.cfg, model.embed.weight.element_size())
+        check_kv_cache_device(config.kv_cache_dtype, model.embed.weight.device)
+        groups = cache_groups(model.cfg, model.embed.weight.element_size(), config.kv_cache_dtype)
         self.cache = KVCacheManager.from_budget(
             groups, config.block_size, config.kv_cache_memory, self._prefix_cache(model, config)
         )

@@ -50,6 +50,17 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * scale[..., None]
 
 
+@triton.jit
+def int8_rows(x):
+    """The rows of a fp32 tile ``[R, C]`` (zeros in its masked lanes) as int8 codes and their scales, as
+    ``quantize_int8_ref`` makes them."""
+    scale = tl.max(tl.abs(x), axis=1) / 127
+    y = x / tl.maximum(scale, _TINY)[:, None]
+    # fp32 -> int32 truncates toward zero: adding 0.5 to |y| rounds halves away from zero.
+    r = tl.minimum((tl.abs(y) + 0.5).to(tl.int32), 127)
+    return tl.where(y < 0, -r, r).to(tl.int8), scale
+
+
 @triton.jit(do_not_specialize=["M"])
 def _quantize_int8_kernel(x_ptr, q_ptr, s_ptr, M, D, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr):
     ROWS: tl.constexpr = BLOCK // BLOCK_D
@@ -58,12 +69,8 @@ def _quantize_int8_kernel(x_ptr, q_ptr, s_ptr, M, D, BLOCK_D: tl.constexpr, BLOC
         rows = task * ROWS + tl.arange(0, ROWS)
         mask = (rows[:, None] < M) & (cols[None, :] < D)
         x = tl.load(x_ptr + rows[:, None] * D + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        scale = tl.max(tl.abs(x), axis=1) / 127
-        y = x / tl.maximum(scale, _TINY)[:, None]
-        # fp32 -> int32 truncates toward zero: adding 0.5 to |y| rounds halves away from zero.
-        r = tl.minimum((tl.abs(y) + 0.5).to(tl.int32), 127)
-        q = tl.where(y < 0, -r, r)
-        tl.store(q_ptr + rows[:, None] * D + cols[None, :], q.to(tl.int8), mask=mask)
+        q, scale = int8_rows(x)
+        tl.store(q_ptr + rows[:, None] * D + cols[None, :], q, mask=mask)
         tl.store(s_ptr + rows, scale, mask=rows < M)
 
 

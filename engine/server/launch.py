@@ -27,6 +27,7 @@ from engine.server.args import engine_config, non_default
 from engine.server.protocol import GENERATION_FIELDS
 from engine.server.shutdown import FLUSH_TIMEOUT, GracefulServer
 from engine.workers import Workers, load_ranks, serve_node
+from model.cache import check_kv_cache_device
 from model.chat_profile import select_chat_profile
 from model.checkpoint import loader_quantization, placement
 from model.config import ModelConfig
@@ -49,6 +50,7 @@ def memory_budget(args: argparse.Namespace, config: EngineConfig) -> dict:
         "gpu_memory_utilization": share,
         "device_bytes": runtime.memory_bytes(),
         "lookahead": config.lookahead,
+        "kv_cache_dtype": config.kv_cache_dtype,
     }
 
 
@@ -79,6 +81,7 @@ def start_engine(
     device, dtype = placement(args.device, args.dtype)
     quantization = loader_quantization(path, args.quantization)
     config = engine_config(args)
+    check_kv_cache_device(config.kv_cache_dtype, device)
     # Before any weight loads; the weights are one rank's share (rank 0's: every rank's is as large).
     world, data_parallel = config.world_size, config.data_parallel_size > 1
     rank0 = ParallelContext(0, world, data_parallel=data_parallel) if world > 1 else None
