@@ -38,6 +38,8 @@ class EngineConfig:
     kv_cache_dtype: str = _flag("auto", "auto: the compute dtype; int8: NoPE dims int8 with a scale per row, "
                                 "RoPE dims in the compute dtype, int8 index keys; fp8: the same in E4M3 "
                                 "(CUDA and CPU, not Ascend A2/A3)", choices=KV_CACHE_DTYPES)  # fmt: skip
+    engram_offload: bool = _flag(False, "keep the V4.1 Engram tables in (pinned) host memory: each step "
+                                 "copies only the rows it reads to the device")  # fmt: skip
     seed: int = _flag(0, "seeds the requests that bring no seed")
     speculative_method: str | None = _flag(None, "mtp (V4) or dspark (V4.1)", choices=SPECULATIVE_METHODS)
     num_speculative_tokens: int | None = _flag(None, "drafts per step (default: 1 for mtp, the DSpark block)")

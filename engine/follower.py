@@ -100,7 +100,9 @@ def worker_main(rank: int, world: int, meet: Rendezvous, device: str, timeout_s:
     runner: FollowerRunner | None = None
     engine, error = None, None
     try:
-        model = load_model(spec.path, spec.dtype, spec.device, spec.quantization, parallel=context)
+        model = load_model(
+            spec.path, spec.dtype, spec.device, spec.quantization, context, config.engram_offload
+        )
         if context.data_parallel:
             # Imported here: engine.data_parallel builds on engine.workers, which starts this function.
             from engine.data_parallel import follow_front, lockstep_engine

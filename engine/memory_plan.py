@@ -14,8 +14,10 @@ import torch
 
 from engine.kv_cache import KVCacheManager
 from model.cache import cache_groups
+from model.causal_lm import CausalLM
 from model.checkpoint import plan_shard
 from model.config import ModelConfig
+from model.engram import Engram
 from model.parallel import ParallelContext
 
 GIB = 2**30
@@ -43,6 +45,7 @@ class MemoryPlan:
     budget: str  # how kv_bytes was chosen, for the messages
     kv_cache_dtype: str = "auto"
     capacity_tokens: int = 0  # the longest request the whole cache holds
+    host_bytes: int = 0  # weights kept in host memory (the offloaded Engram tables), not in weight_bytes
 
     @property
     def num_blocks(self) -> int:
@@ -53,8 +56,9 @@ class MemoryPlan:
         return self.num_blocks / self.blocks_per_request
 
     def line(self) -> str:
+        host = f" (Engram tables in host memory: {self.host_bytes / GIB:.3f} GiB)" if self.host_bytes else ""
         return (
-            f"Memory plan: weights {self.weight_bytes / GIB:.3f} GiB, activations "
+            f"Memory plan: weights {self.weight_bytes / GIB:.3f} GiB{host}, activations "
             f"{self.activation_bytes / GIB:.3f} GiB, KV cache {self.kv_bytes / GIB:.3f} GiB "
             f"({self.budget}) = {self.num_blocks} blocks x {self.block_bytes} B, {self.kv_cache_dtype} rows "
             f"holding {self.capacity_tokens} tokens; maximum concurrency at {self.max_model_len} tokens per "
@@ -76,15 +80,18 @@ def plan_memory(
     lookahead: int = 0,
     parallel: ParallelContext | None = None,
     kv_cache_dtype: str = "auto",
+    engram_offload: bool = False,
 ) -> MemoryPlan:
     """The plan for serving ``path`` on one device (``parallel``: that of the rank it names, every rank's
     KV cache sized alike); ``gpu_memory_utilization`` shares ``device_bytes`` between weights,
     activations and the KV cache, else the KV cache gets ``kv_cache_memory`` bytes, if the device has
     them beside the weights and activations (``device_bytes``, when given). ``max_model_len`` None (vLLM's
     ``auto``): the longest request that KV cache holds, at most the model's ``max_position_embeddings``.
-    ``kv_cache_dtype`` sizes the blocks as the cache stores its rows (``model.cache.row_formats``)."""
+    ``kv_cache_dtype`` sizes the blocks as the cache stores its rows (``model.cache.row_formats``);
+    ``engram_offload`` keeps the Engram tables in host memory, out of the device's weights."""
     model, _, _ = plan_shard(path, dtype, quantization, parallel)
-    weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    host = engram_table_bytes(model) if engram_offload else 0
+    weights = sum(t.numel() * t.element_size() for t in model.state_dict().values()) - host
     itemsize = torch.empty(0, dtype=dtype).element_size()
     activations = activation_bytes(model.cfg, max_num_batched_tokens, itemsize)
     if gpu_memory_utilization is not None:
@@ -108,7 +115,7 @@ def plan_memory(
         max_model_len = min(capacity, model.cfg.max_position_embeddings)
     per_request = cache.max_blocks(max_model_len + lookahead, chunk)
     plan = MemoryPlan(weights, activations, max(kv, 0), cache.block_bytes, per_request, max_model_len, how,
-                      kv_cache_dtype, capacity)  # fmt: skip
+                      kv_cache_dtype, capacity, host)  # fmt: skip
     if plan.num_blocks < per_request:
         raise ValueError(
             f"memory plan: the KV cache gets {kv / GIB:.3f} GiB ({how}; weights {weights / GIB:.3f} GiB, "
@@ -117,6 +124,12 @@ def plan_memory(
             f"{per_request * cache.block_bytes / GIB:.3f} GiB: give more memory or lower max_model_len"
         )
     return plan
+
+
+def engram_table_bytes(model: CausalLM) -> int:
+    """Bytes of the Engram bucket tables (as loaded: FP8 bytes and their scales, or the compute dtype)."""
+    tables = (m.embed for m in model.modules() if isinstance(m, Engram))
+    return sum(t.numel() * t.element_size() for table in tables for t in table.state_dict().values())
 
 
 def cache_capacity(

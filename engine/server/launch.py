@@ -51,6 +51,7 @@ def memory_budget(args: argparse.Namespace, config: EngineConfig) -> dict:
         "device_bytes": runtime.memory_bytes(),
         "lookahead": config.lookahead,
         "kv_cache_dtype": config.kv_cache_dtype,
+        "engram_offload": config.engram_offload,
     }
 
 
