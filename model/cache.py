@@ -74,13 +74,14 @@ def check_kv_cache_dtype(kv_cache_dtype: str) -> None:
         raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} must be one of {KV_CACHE_DTYPES}")
 
 
-def check_kv_cache_device(kv_cache_dtype: str, device: torch.device) -> None:
+def check_kv_cache_device(kv_cache_dtype: str, device: torch.device | str) -> None:
     """FP8 codes need a device with E4M3 (CUDA) or the CPU, whose torch conversions are the exact format;
-    Ascend A2/A3 have no FP8: int8 there."""
+    Ascend A2/A3 have no FP8: int8 there. ``device``: a device or its type (``npu``)."""
     check_kv_cache_dtype(kv_cache_dtype)
-    if kv_cache_dtype == "fp8" and device.type not in ("cuda", "cpu"):
+    kind = device if isinstance(device, str) else device.type
+    if kv_cache_dtype == "fp8" and kind not in ("cuda", "cpu"):
         raise ValueError(
-            f"kv_cache_dtype='fp8': the {device.type} device has no FP8 (E4M3) support; use 'int8' or 'auto'"
+            f"kv_cache_dtype='fp8': the {kind} device has no FP8 (E4M3) support; use 'int8' or 'auto'"
         )
 
 

@@ -57,7 +57,7 @@ class QuantizedRows:
         rows = codes * self.scale.index_select(0, slots.flatten())[:, None]
         if self.rope is not None:
             rows = torch.cat([rows, self.rope.index_select(0, slots.flatten()).float()], dim=1)
-        return rows.view(*slots.shape, -1)
+        return rows.view(*slots.shape, self.width)
 
 
 def store_quantized(rows: torch.Tensor, slots: torch.Tensor, cache: QuantizedRows) -> None:

@@ -44,8 +44,8 @@ def test_the_engine_config_names_the_cache_dtypes_of_the_model() -> None:
 
 def test_fp8_is_refused_where_the_device_has_none() -> None:
     with pytest.raises(ValueError, match="kv_cache_dtype='fp8': the npu device has no FP8"):
-        check_kv_cache_device("fp8", torch.device("npu"))
-    check_kv_cache_device("int8", torch.device("npu"))
+        check_kv_cache_device("fp8", "npu")
+    check_kv_cache_device("int8", "npu")
     check_kv_cache_device("fp8", torch.device("cuda"))
 
 
