@@ -13,12 +13,12 @@ from pathlib import Path
 import torch
 
 from engine.kv_cache import KVCacheManager
-from model.cache import cache_groups
+from model.cache import CacheLayout
 from model.causal_lm import CausalLM
 from model.checkpoint import plan_shard
 from model.config import ModelConfig
 from model.engram import Engram
-from model.parallel import ParallelContext
+from model.parallel.context import ParallelContext
 
 GIB = 2**30
 _UNBOUNDED = 2**50  # tokens: a cap no cache reaches, for the capacity of the whole cache
@@ -110,7 +110,7 @@ def plan_memory(
                 f"{activations / GIB:.3f} GiB exceeds the device's {device_bytes / GIB:.1f} GiB"
             )
     chunk = max_num_batched_tokens + lookahead
-    cache, capacity = cache_capacity(model.cfg, itemsize, kv_cache_dtype, kv, block_size, chunk, lookahead)
+    cache, capacity = cache_capacity(model.cfg, dtype, kv_cache_dtype, kv, block_size, chunk, lookahead)
     if max_model_len is None:
         max_model_len = min(capacity, model.cfg.max_position_embeddings)
     per_request = cache.max_blocks(max_model_len + lookahead, chunk)
@@ -133,12 +133,12 @@ def engram_table_bytes(model: CausalLM) -> int:
 
 
 def cache_capacity(
-    cfg: ModelConfig, dtype_bytes: int, kv_cache_dtype: str, kv_bytes: int, block_size: int, chunk: int,
+    cfg: ModelConfig, dtype: torch.dtype, kv_cache_dtype: str, kv_bytes: int, block_size: int, chunk: int,
     lookahead: int = 0,
 ) -> tuple[KVCacheManager, int]:  # fmt: skip
     """The block accounting of a cache whose rows are stored as ``kv_cache_dtype``, and the tokens of the
     longest request ``kv_bytes`` of its blocks hold (prefilled in chunks of ``chunk``)."""
-    cache = KVCacheManager(cache_groups(cfg, dtype_bytes, kv_cache_dtype), block_size, 1)
+    cache = KVCacheManager(CacheLayout.for_model(cfg, dtype, block_size, kv_cache_dtype), 1)
     fits = max(kv_bytes, 0) // cache.block_bytes
     return cache, longest_request(cache, fits, _UNBOUNDED, chunk, lookahead)
 

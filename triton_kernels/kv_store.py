@@ -27,7 +27,8 @@ import triton
 import triton.language as tl
 
 from triton_kernels import runtime, tuning
-from triton_kernels.quant import int8_rows, quantize_int8_ref
+from triton_kernels.quant import quantize_int8_ref
+from triton_kernels.shared import TINY, quantize_rows
 from triton_kernels.spec import TuneConfig, Variant
 
 MAX_DIM = 1024
@@ -36,7 +37,6 @@ _ROW_DTYPES = (torch.float32, torch.bfloat16)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _MAX_NUMEL = 2**31 - 1
 _FP8_MAX = 448.0  # the largest finite E4M3 value
-_TINY = tl.constexpr(1e-30)
 
 
 @dataclass(frozen=True)
@@ -105,7 +105,7 @@ def quantize_codes_ref(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tenso
     if dtype == torch.int8:
         return quantize_int8_ref(x)
     scale = x.float().abs().amax(dim=-1) / _FP8_MAX
-    return (x.float() / scale.clamp_min(_TINY.value)[:, None]).to(dtype), scale
+    return (x.float() / scale.clamp_min(TINY.value)[:, None]).to(dtype), scale
 
 
 def store_quantized_ref(rows: torch.Tensor, slots: torch.Tensor, cache: QuantizedRows) -> None:
@@ -148,9 +148,10 @@ def _store_quantized_kernel(
                     other=0.0).to(tl.float32)  # fmt: skip
         if FP8:
             scale = tl.max(tl.where(nope, tl.abs(x), 0.0), axis=1) / 448.0
-            codes = (x / tl.maximum(scale, _TINY)[:, None]).to(codes_ptr.dtype.element_ty)
+            codes = (x / tl.maximum(scale, TINY)[:, None]).to(codes_ptr.dtype.element_ty)
         else:
-            codes, scale = int8_rows(tl.where(nope, x, 0.0))
+            codes, scale = quantize_rows(tl.where(nope, x, 0.0))
+            codes = codes.to(tl.int8)
         at = codes_ptr + target[:, None] * code_stride + tl.minimum(cols, N - 1)[None, :]
         tl.store(at, codes, mask=nope)  # in-bounds: slot and column clamped
         tl.store(scale_ptr + target * scale_stride, scale, mask=valid)  # in-bounds: slot clamped

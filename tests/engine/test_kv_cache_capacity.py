@@ -9,8 +9,8 @@ import torch
 from engine.memory_plan import cache_capacity, plan_memory
 from model.cache import row_formats
 from model.config import ModelConfig
-from model.release_like import like_config
-from model.tiny import cached_tiny, toy_config
+from model.testing.release_like import like_config
+from model.testing.tiny import cached_tiny, toy_config
 
 KV_BYTES = 2**30
 CONFIGS = {

@@ -13,7 +13,7 @@ from engine.llm_engine import LLMEngine
 from model import cache
 from model.cache import check_kv_cache_device
 from model.checkpoint import load_model
-from model.tiny import cached_tiny
+from model.testing.tiny import cached_tiny
 from model.tokenizer import load_tokenizer
 from tests.engine.test_prefix_cache_engine import PAGE, cached_blocks, random_tokens, run
 from tests.engine.test_spec_decode import scripted

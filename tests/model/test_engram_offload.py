@@ -11,7 +11,7 @@ from engine.memory_plan import engram_table_bytes, plan_memory
 from engine.server.args import parse_args
 from model.checkpoint import load_model
 from model.engram import Engram
-from model.tiny import cached_tiny
+from model.testing.tiny import cached_tiny
 
 SHAPE = {"max_num_batched_tokens": 64, "max_model_len": 256, "block_size": 16, "kv_cache_memory": 2**24}
 

@@ -11,7 +11,7 @@ import torch
 from model.attention import Indexer
 from model.cache import PoolRows
 from model.checkpoint import load_model
-from model.tiny import write_tiny
+from model.testing.tiny import write_tiny
 from triton_kernels.kv_store import QuantizedRows, store_quantized
 
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from model.checkpoint import load_model
-from model.tiny import cached_tiny
+from model.testing.tiny import cached_tiny
 
 DECODE = 64
 PROMPT = 24
