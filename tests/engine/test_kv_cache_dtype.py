@@ -1,6 +1,7 @@
-"""The engine over a quantised KV cache (``kv_cache_dtype="int8"``): prefix hits, preemption, speculative
-rollback and the start-up checks behave as over the compute-dtype cache, since a row's codes depend on that
-row alone (``triton_kernels.kv_store``)."""
+"""The engine over a quantised KV cache (``kv_cache_dtype="int8"``): speculative rollback and the start-up
+checks behave as over the compute-dtype cache, since a row's codes depend on that row alone
+(``triton_kernels.kv_store``); prefix hits and preemption over it are tested with the prefix cache's
+tests (``test_prefix_cache_engine``)."""
 
 from __future__ import annotations
 
@@ -12,28 +13,16 @@ from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from model import cache
 from model.cache import check_kv_cache_device
-from model.checkpoint import load_model
 from model.testing.tiny import cached_tiny
-from model.tokenizer import load_tokenizer
-from tests.engine.test_prefix_cache_engine import PAGE, cached_blocks, random_tokens, run
-from tests.engine.test_spec_decode import scripted
+from tests.engine import test_prefix_cache_engine as prefix
+from tests.engine import test_spec_decode as spec
+from tests.engine.test_prefix_cache_engine import random_tokens
 
-
-@pytest.fixture(scope="module", params=["v4", "v41"])
-def tiny(request):
-    path = cached_tiny(request.param)
-    return request.param, load_model(path), load_tokenizer(path)
+tiny = prefix.tiny  # its fixture: the tiny V4 and V4.1 models
 
 
 def engine(tiny, **config) -> LLMEngine:
-    arch, model, tokenizer = tiny
-    config = {
-        "prefix_page_size": PAGE[arch],
-        "max_num_batched_tokens": 1024,
-        "kv_cache_dtype": "int8",
-        **config,
-    }
-    return LLMEngine(model, tokenizer, EngineConfig(**config))
+    return prefix.engine(tiny, **{"kv_cache_dtype": "int8", **config})
 
 
 def test_the_engine_config_names_the_cache_dtypes_of_the_model() -> None:
@@ -59,42 +48,16 @@ def test_the_pools_store_int8_rows(tiny) -> None:
     assert keys.data.dtype == torch.int8 and keys.rope is None  # index keys: int8 whole rows
 
 
-def test_a_hit_gives_the_logits_of_a_cold_run(tiny):
-    arch, model, _ = tiny
-    page = PAGE[arch]
-    shared = random_tokens(model, 2 * page + 40, seed=1)
-    warm = engine(tiny)
-    run(warm, shared[: 2 * page + 5])
-    before = cached_blocks(warm)
-    prompt = shared[: 2 * page + 9] + random_tokens(model, 11, seed=2)
-    hit_out, hit_logits, hit = run(warm, prompt)
-    cold_out, cold_logits, cold_hit = run(engine(tiny), prompt)
-    assert (hit, cold_hit) == (2 * page, 0)
-    assert hit_out == cold_out
-    assert all(torch.equal(a, b) for a, b in zip(hit_logits, cold_logits, strict=True))
-    assert all(torch.equal(before[b], warm.runner.pools.buffer[b]) for b in before), "a shared block changed"
-
-
-def test_a_preempted_request_gives_the_tokens_of_an_uninterrupted_one(tiny):
-    arch, model, _ = tiny
-    prompt = random_tokens(model, PAGE[arch] + 20, seed=3)
-    cold_out, _, _ = run(engine(tiny, enable_prefix_caching=False), prompt, max_tokens=8)
-    warm = engine(tiny)
-    out, _, _ = run(warm, prompt, max_tokens=8, preempt_after=4)
-    assert warm.scheduler.preemptions == 1 and out == cold_out
-
-
 def test_rejected_drafts_roll_back_exactly(tiny):
     """The target's own greedy tokens as drafts, made wrong on the tokens that close a compressor window
     (the entry the call stored must vanish): the greedy tokens of plain decoding."""
     arch, model, tokenizer = tiny
-    prompt = random_tokens(model, 50, seed=4)
-    plain, _, _ = run(engine(tiny, enable_prefix_caching=False), prompt, max_tokens=12)
+    prompts = [random_tokens(model, 50, seed=4)]
+    plain, _ = spec.run(spec.engine(tiny, k=None, kv_cache_dtype="int8"), prompts, spec.GREEDY)
     ratio = 2 if arch == "v41" else 4
-    proposer = scripted({tuple(prompt): plain}, lambda request, pos: (pos + 1) % ratio == 0)
-    config = EngineConfig(max_num_batched_tokens=96, num_speculative_tokens=3, kv_cache_dtype="int8")
-    drafted = LLMEngine(model, tokenizer, config, proposer)
-    out, _, _ = run(drafted, prompt, max_tokens=12)
+    proposer = spec.scripted({tuple(prompts[0]): plain[0]}, lambda request, pos: (pos + 1) % ratio == 0)
+    drafted = spec.engine(tiny, proposer, kv_cache_dtype="int8")
+    out, _ = spec.run(drafted, prompts, spec.GREEDY)
     assert 0 < drafted.spec_stats.accepted < drafted.spec_stats.drafted
     assert out == plain
 
