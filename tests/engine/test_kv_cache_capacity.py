@@ -34,8 +34,7 @@ def test_int8_rows_hold_more_tokens_at_the_same_memory(name: str) -> None:
     for dtype in (torch.float32, torch.bfloat16):
         itemsize = torch.empty(0, dtype=dtype).element_size()
         tokens = {
-            mode: cache_capacity(cfg, itemsize, mode, KV_BYTES, 16, 1024)[1]
-            for mode in ("auto", "int8", "fp8")
+            mode: cache_capacity(cfg, dtype, mode, KV_BYTES, 16, 1024)[1] for mode in ("auto", "int8", "fp8")
         }
         gain = tokens["int8"] / tokens["auto"]
         print(f"{name} {dtype}: tokens in 1 GiB {tokens}, int8 / auto = {gain:.3f}")
