@@ -20,11 +20,14 @@ from dataclasses import asdict, dataclass
 from functools import cache
 from pathlib import Path
 
+from ascend_gate import rel_path
+
 # What the shipped binaries cannot do: the planned module is handed to hivmc, which is absent.
 _HIVMC_STOP = "External hivmc run fails, returning module before running external compiler"
 # BiSheng's wrapper around the error that caused it, never the cause itself.
 _WRAPPERS = ("Failed to run BiShengHIR pipeline", "Failed to run BiShengIR pipeline", _HIVMC_STOP)
-_ERROR = re.compile(r"(?:error|LLVM ERROR): (.*)$", re.M)  # a diagnostic, or an abort's message
+# A diagnostic (with its location, a source line when the MLIR carries them), or an abort's message.
+_ERROR = re.compile(r'^(?:loc\((?:callsite\()?"([^"]+)":(\d+):\d+.*?)?(?:error|LLVM ERROR): (.*)$', re.M)
 _OVERFLOW = re.compile(r"ub overflow, requires (\d+) bits")
 # "[NOTE] Ub overflow detected; automatically set enable-code-motion to false and retrying compilation."
 _DROPPED = re.compile(r"Ub overflow detected; automatically set enable-([\w-]+) to false and retrying")
@@ -53,6 +56,7 @@ class Plan:
     error: str | None  # its first error, verbatim; None when it got through memory planning
     ub_bytes: int  # the end of the highest UB buffer it planned (on an overflow, what it required)
     dropped: tuple[str, ...] = ()  # the optimisations it turned off to make the plan fit
+    where: str | None = None  # the error's ``file:line`` in our source, when BiSheng gave one
 
 
 def known(kernel: str, error: str) -> bool:
@@ -110,10 +114,13 @@ def planned_ub_bytes(module: str) -> int:
 
 def _verdict(log: str, returncode: int, planned: Path) -> Plan:
     dropped = tuple(_DROPPED.findall(log))
-    causes = [message.strip() for message in _ERROR.findall(log) if message.strip() not in _WRAPPERS]
+    causes = [(path, line, message.strip()) for path, line, message in _ERROR.findall(log)]
+    causes = [cause for cause in causes if cause[2] not in _WRAPPERS]
     if causes:
-        overflow = _OVERFLOW.search(causes[0])
-        return Plan(causes[0], int(overflow[1]) // 8 if overflow else 0, dropped)
+        path, line, message = causes[0]
+        overflow = _OVERFLOW.search(message)
+        where = f"{rel_path(path)}:{line}" if path.endswith(".py") else None
+        return Plan(message, int(overflow[1]) // 8 if overflow else 0, dropped, where)
     if _HIVMC_STOP not in log or not planned.is_file():
         last = log.strip().splitlines()[-1] if log.strip() else "no output"
         return Plan(f"exit {returncode} before reaching hivmc, without an error: {last}", 0, dropped)
@@ -130,7 +137,7 @@ def plan(mlir: str, arch: str, multibuffer: bool, cache_dir: Path | None) -> Pla
     cached = cache_dir / f"{key}.json" if cache_dir else None
     if cached and cached.is_file():
         entry = json.loads(cached.read_text())
-        return Plan(entry["error"], entry["ub_bytes"], tuple(entry["dropped"]))
+        return Plan(entry["error"], entry["ub_bytes"], tuple(entry["dropped"]), entry.get("where"))
     with tempfile.TemporaryDirectory() as tmp:
         kernel = Path(tmp, "kernel.ttadapter.mlir")
         kernel.write_text(source)

@@ -76,3 +76,21 @@ def test_known_failures_match_their_kernel_and_error_only() -> None:
     assert bisheng.known("sparse_attn.decode", overflow)
     assert not bisheng.known("sparse_attn.decode", "PlanMemory Traverse IR Failed!")
     assert not bisheng.known("rmsnorm._rms_norm_kernel", overflow)
+
+
+def test_an_error_at_a_source_line_names_it_relative_to_the_repository(tmp_path: Path) -> None:
+    source = Path.cwd() / "triton_kernels" / "indexer.py"
+    log = (
+        f'loc("{source}":348:0): error: Failed to run BiShengHIR pipeline\n'
+        f"loc(\"{source}\":376:22): error: 'hivm.hir.store' op only support store ub to gm currently!\n"
+    )
+    plan = bisheng._verdict(log, 1, tmp_path / "absent.mlir")
+    assert plan.where == "triton_kernels/indexer.py:376"
+    assert plan.error == "'hivm.hir.store' op only support store ub to gm currently!"
+
+
+def test_an_error_at_an_mlir_line_names_no_source(tmp_path: Path) -> None:
+    log = (
+        'loc("/tmp/x/kernel.ttadapter.mlir":3:3): error: ub overflow, requires 8 bits while 4 bits available!'
+    )
+    assert bisheng._verdict(log, 1, tmp_path / "absent.mlir").where is None
