@@ -8,7 +8,7 @@ import torch
 from model.cache import Batch, CacheGroup, CacheLayout, KVPools, SeqCache, block_layout, group_name
 from model.config import ModelConfig
 from model.plan import build_plan
-from model.tiny import ARCHS, toy_config
+from model.testing.tiny import ARCHS, toy_config
 
 
 def pools_by_group(pools: KVPools) -> dict[str, list[torch.Tensor]]:
