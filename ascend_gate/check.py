@@ -503,8 +503,9 @@ def _print_table(reports: list[Report]) -> None:
 
 
 def _discover(paths: list[str]) -> tuple[list[tuple[str, TunedKernel]], dict[JITFunction, str], list[str]]:
-    """The declared kernels, every @jit function the modules define (with its module), import failures."""
-    specs: list[tuple[str, TunedKernel]] = []
+    """The declared kernels (the op registry's, or the ``KERNELS`` of the module files given), every @jit
+    function the scanned modules define (with its module), and the modules that failed."""
+    declaring: dict[str, ModuleType] = {}
     defined: dict[JITFunction, str] = {}
     broken: list[str] = []
     for name, module in _modules(paths):
@@ -512,11 +513,24 @@ def _discover(paths: list[str]) -> tuple[list[tuple[str, TunedKernel]], dict[JIT
             print(f"FAIL  import {name}: {type(module).__name__}: {module}")
             broken.append(name)
             continue
-        specs += [(name, spec) for spec in getattr(module, "KERNELS", ())]
+        if getattr(module, "KERNELS", ()):
+            declaring[name] = module
         for obj in vars(module).values():
             if (fn := _jit(obj)) is not None and fn.fn.__module__ == module.__name__:
                 defined[fn] = name
-    return specs, defined, broken
+    if paths:
+        return (
+            [(name, spec) for name, module in declaring.items() for spec in module.KERNELS],
+            defined,
+            broken,
+        )
+    registry = sys.modules.get("triton_kernels.ops")  # absent when it failed to import, reported above
+    if registry is None:
+        return [], defined, broken
+    for name in sorted(declaring.keys() - registry.OPS.keys()):
+        print(f"FAIL  {name}: declares KERNELS, but triton_kernels.ops.OPS does not list it")
+        broken.append(name)
+    return registry.declared_kernels(), defined, broken
 
 
 def main(argv: list[str] | None = None) -> int:
