@@ -23,11 +23,21 @@ from triton_kernels.rope import apply_rope
 from triton_kernels.sparse_attn import KVPool, sparse_attention
 
 
+def index_queries(
+    q: torch.Tensor, weights: torch.Tensor, request: torch.Tensor, visible: torch.Tensor, pool: KeyPool
+) -> IndexQueries:
+    """The indexer's queries in the keys' format: int8 per (token, head) for int8 keys."""
+    if pool.scale is None:
+        return IndexQueries(q, weights, request, visible)
+    codes, scale = quantize_int8(q)
+    return IndexQueries(codes, weights, request, visible, scale)
+
+
 class Indexer(nn.Module):
     """Lightning indexer of a CSA layer: its own compressor over ``x`` and a ReLU-weighted scorer.
 
-    ``int8`` switches to the Ascend format (model-spec §9.4): queries and keys quantised per row,
-    int32 dot products. It is off by default: the float path is the one checked against transformers.
+    In a quantised cache its keys are int8 with a scale per entry (model-spec §9.4): the queries are then
+    quantised per (token, head) and the dots are int8 x int8 -> int32 (``index_queries``).
     """
 
     def __init__(self, cfg: ModelConfig, plan: LayerPlan):
@@ -39,7 +49,6 @@ class Indexer(nn.Module):
         self.compressor = Compressor(
             cfg.hidden_size, self.dim, plan.compress_ratio, cfg.rms_norm_eps, overlap=True
         )
-        self.int8 = False
 
     def compress(self, x: torch.Tensor, batch: Batch, inv_freq: torch.Tensor) -> None:
         """Store the index keys of the groups ``x`` closes in the layer's key pool."""
@@ -55,13 +64,8 @@ class Indexer(nn.Module):
         # The score's d_I^-1/2 and the weights' H^-1/2 are both folded into the head weights.
         weights = self.weights_proj(x).float() * (self.heads * self.dim) ** -0.5
         visible = batch.visible(self.plan.compress_ratio).to(torch.int32)
-        keys, table, per_block = batch.key_pool(self.plan.index, self.plan.compress_ratio)
-        if self.int8:
-            (q, q_scale), (keys, k_scale) = quantize_int8(q), quantize_int8(keys)
-            return IndexQueries(q, weights, batch.request, visible, q_scale), KeyPool(
-                keys, table, per_block, k_scale
-            )
-        return IndexQueries(q, weights, batch.request, visible), KeyPool(keys, table, per_block)
+        pool = batch.key_pool(self.plan.index, self.plan.compress_ratio)
+        return index_queries(q, weights, batch.request, visible, pool), pool
 
     def scores(
         self, x: torch.Tensor, q_r: torch.Tensor, batch: Batch, inv_freq: torch.Tensor
@@ -109,8 +113,8 @@ class SharedKVAttention(nn.Module):
     def window_keys(self, kv: torch.Tensor, batch: Batch) -> KVPool:
         """Store the tokens' window keys; each token reads the W newest positions of its request."""
         pool = batch.pools.window[self.plan.index]
-        pool[batch.window_write] = kv.to(pool.dtype)
-        return KVPool(pool, batch.window_read)
+        pool.write(batch.window_write, kv)
+        return pool.attended(batch.window_read)
 
     def output(
         self, q: torch.Tensor, pools: list[KVPool], positions: torch.Tensor, inv_freq: torch.Tensor
@@ -147,5 +151,5 @@ class V4Attention(SharedKVAttention):
                 numbers = self.indexer(x, q_r, batch, inv_freq)
             else:  # HCA: every visible entry
                 numbers = batch.every_visible_entry(ratio)
-            pools.append(KVPool(pool, batch.entry_slots(ratio, numbers)))
+            pools.append(pool.attended(batch.entry_slots(ratio, numbers)))
         return self.output(q, pools, batch.positions, inv_freq)
