@@ -337,9 +337,8 @@ def _score_keys(
         # relu(qs * ks * dot) = qs * ks * relu(dot): both scales are >= 0.
         dots = tl.dot(q, tl.trans(keys), out_dtype=tl.int32).to(tl.float32)
         logits = tl.sum(tl.maximum(dots, 0.0) * w[:, None], axis=0)
-        logits = logits * tl.load(
-            ks_ptr + slot * scale_stride, mask=valid, other=0.0
-        )  # in-bounds: slot clamped
+        key_scales = tl.load(ks_ptr + slot * scale_stride, mask=valid, other=0.0)  # in-bounds: slot clamped
+        logits = logits * key_scales
     else:
         # ieee: the tf32 default on GPUs would cost ~1e-3 relative error in the logits.
         dots = tl.dot(q, tl.trans(keys.to(tl.float32)), input_precision="ieee")

@@ -322,15 +322,20 @@ def _tile_rows(
     BF16_DOT: tl.constexpr,
 ):
     """The channels ``d`` of a key tile's rows, from its pool: branches, as a select between two base
-    pointers crashes Ascend's adapter (and the pools may differ in dtype). A page of the window is one
-    strided block; the compressed pool's slots, picked by top-k, are gathered."""
+    pointers crashes Ascend's adapter. The pools may differ in dtype, so each branch casts to the dot's
+    operand type (both branches must give one type). A page of the window is one strided block; the
+    compressed pool's slots, picked by top-k, are gathered."""
     if first:
         if page != -1:
             row = page + tl.arange(0, row.shape[0])
-        rows = _pool_rows(kv0_ptr, ks0_ptr, rope0_ptr, S0, SS0, SR0, row, valid, d, D, N, QUANT, DP)
+        rows = _operand(
+            _pool_rows(kv0_ptr, ks0_ptr, rope0_ptr, S0, SS0, SR0, row, valid, d, D, N, QUANT, DP), BF16_DOT
+        )
     else:
-        rows = _pool_rows(kv1_ptr, ks1_ptr, rope1_ptr, S1, SS1, SR1, row, valid, d, D, N, QUANT, DP)
-    return _operand(rows, BF16_DOT)
+        rows = _operand(
+            _pool_rows(kv1_ptr, ks1_ptr, rope1_ptr, S1, SS1, SR1, row, valid, d, D, N, QUANT, DP), BF16_DOT
+        )
+    return rows
 
 
 @triton.jit
@@ -396,7 +401,6 @@ def _sparse_attn_kernel(
     width0 = tl.cdiv(K0, BLOCK_N) * BLOCK_N
     width = width0 + tl.cdiv(K1, BLOCK_N) * BLOCK_N
     ws = ws_ptr + (tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H))[:, None] * width
-    pools = (kv0_ptr, ks0_ptr, rope0_ptr, S0, SS0, SR0, kv1_ptr, ks1_ptr, rope1_ptr, S1, SS1, SR1)
     for task in range(tl.program_id(0), T * head_tiles * SPLITS, tl.num_programs(0)):
         split = task % SPLITS
         t = task // SPLITS // head_tiles
@@ -425,7 +429,10 @@ def _sparse_attn_kernel(
                 q = _operand(
                     tl.load(q_ptr + rows[:, None] * D + d[None, :], mask=q_mask, other=0.0), BF16_DOT
                 )
-                k = _tile_rows(first, page, *pools, row, valid, d, D, N, QUANT, DP, BF16_DOT)
+                # triton-ascend 3.2 takes no starred arguments: both pools' pointers spelled out.
+                k = _tile_rows(first, page,
+                               kv0_ptr, ks0_ptr, rope0_ptr, S0, SS0, SR0, kv1_ptr, ks1_ptr, rope1_ptr, S1,
+                               SS1, SR1, row, valid, d, D, N, QUANT, DP, BF16_DOT)  # fmt: skip
                 # ieee: the tf32 default on GPUs would cost ~1e-3 relative error in fp32 attention.
                 s = tl.dot(q, tl.trans(k), s, input_precision="ieee")
             s = tl.where(valid[None, :], s * scale, _NEG)
@@ -447,7 +454,9 @@ def _sparse_attn_kernel(
             for i in range(0, n_tiles):
                 first, valid, row, page, col = _tile(i, n0, lo0, hi0, idx0, lo1, hi1, idx1, width0, BLOCK_N)
                 p = tl.exp(tl.load(ws + col[None, :]) - m[:, None])
-                v = _tile_rows(first, page, *pools, row, valid, d, D, N, QUANT, DP, BF16_DOT)
+                v = _tile_rows(first, page,
+                               kv0_ptr, ks0_ptr, rope0_ptr, S0, SS0, SR0, kv1_ptr, ks1_ptr, rope1_ptr, S1,
+                               SS1, SR1, row, valid, d, D, N, QUANT, DP, BF16_DOT)  # fmt: skip
                 acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
             if SPLITS == 1:
                 out = _finish(acc, m, total, sink).to(out_ptr.dtype.element_ty)
