@@ -10,6 +10,7 @@ import torch
 from tokenizers import Tokenizer
 
 from engine.config import EngineConfig
+from engine.decode_graphs import DecodeGraphs
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import KVCacheManager
 from engine.model_runner import ModelRunner
@@ -74,6 +75,8 @@ class LLMEngine:
         self.proposer, self.num_drafts = build_proposer(
             config, model, self.runner.pools, self.sampler, proposer, self.runner.share
         )
+        if workers is None:  # the ranks of a tensor-parallel group would each need the same graphs
+            self.runner.graphs = DecodeGraphs.for_engine(model, self.runner.pools, config, self.num_drafts)
         self.spec_stats = SpecDecodeStats()
         self.lookahead = self.proposer.lookahead if self.proposer else 0
         self.scheduler = Scheduler(

@@ -71,16 +71,20 @@ def plan_memory(
     device_bytes: int | None = None,
     lookahead: int = 0,
     parallel: ParallelContext | None = None,
+    graph_tokens: int = 0,
 ) -> MemoryPlan:
     """The plan for serving ``path`` on one device (``parallel``: that of the rank it names, every rank's
     KV cache sized alike); ``gpu_memory_utilization`` shares ``device_bytes`` between weights,
     activations and the KV cache, else the KV cache gets ``kv_cache_memory`` bytes, if the device has
     them beside the weights and activations (``device_bytes``, when given). ``max_model_len`` None (vLLM's
-    ``auto``): the longest request that KV cache holds, at most the model's ``max_position_embeddings``."""
+    ``auto``): the longest request that KV cache holds, at most the model's ``max_position_embeddings``.
+    ``graph_tokens``: the largest captured decode step's tokens; the graphs' memory pool holds that step's
+    activations beside the eager workspace."""
     model, _, _ = plan_shard(path, dtype, quantization, parallel)
     weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     itemsize = torch.empty(0, dtype=dtype).element_size()
     activations = activation_bytes(model.cfg, max_num_batched_tokens, itemsize)
+    activations += activation_bytes(model.cfg, graph_tokens, itemsize)
     if gpu_memory_utilization is not None:
         if device_bytes is None:
             raise ValueError("gpu_memory_utilization needs the device's memory size")

@@ -11,15 +11,17 @@ run the same code. Small per-request state (compressor buffers, Engram look-back
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from math import gcd, isqrt
 
 import torch
+import torch.nn.functional as F
 
 from model.compressor import CompressorState
 from model.config import ModelConfig
 from model.plan import build_plan
-from triton_kernels.compressor import CompressorStates
+from triton_kernels.compressor import CompressBatch, CompressorStates
 
 
 @dataclass(frozen=True)
@@ -230,6 +232,30 @@ class BoundaryState:
         )
 
 
+@dataclass(frozen=True)
+class DecodeShape:
+    """A decode step padded to a captured size: ``rows`` requests of ``width`` tokens each (1 + drafts),
+    block tables ``blocks`` wide. Every tensor of such a step has a shape these fix, so the step can
+    replay as a graph; its last rows may be padding (no blocks, every position -1, never advanced)."""
+
+    rows: int
+    width: int
+    blocks: int
+
+
+@dataclass(frozen=True)
+class CompressMeta:
+    """One compress ratio's metadata for a step of fixed shape: the op's batch, where every token is its
+    own output row (``-1`` where it closes no window), and each row's request and entry number."""
+
+    batch: CompressBatch
+    request: torch.Tensor  # [T]
+    numbers: torch.Tensor  # [T], -1 where no window closes
+
+
+Effect = Callable[..., None]
+
+
 @dataclass
 class Batch:
     """One call: the tokens of several requests, flat, and where their KV lives."""
@@ -242,16 +268,39 @@ class Batch:
     tables: dict[str, torch.Tensor]  # group -> [B, max_blocks] int64, -1 padded
     window_write: torch.Tensor  # [T]: slot of each token's window key
     window_read: torch.Tensor  # [T, W]: slots of its W newest positions, -1 before position 0
+    shape: DecodeShape | None = None  # set: a step of fixed shape (a graph may replay it)
+    padding: int = 0  # trailing rows of ``seqs`` that are padding
+    compress: dict[int, CompressMeta] = field(default_factory=dict)  # by ratio, with ``shape`` only
+    engram_history: torch.Tensor | None = None  # [B, N_max - 1] look-backs, -1 first; ``shape`` only
+    # What the step leaves to the host: each run with the batch and its tensors once the forward is done.
+    effects: list[tuple[Effect, tuple[torch.Tensor, ...]]] = field(default_factory=list)
 
     @classmethod
-    def build(cls, pools: KVPools, seqs: list[SeqCache], lengths: list[int], device: torch.device) -> Batch:
-        """Per-step metadata, vectorised: request i continues at ``num_tokens`` with ``lengths[i]`` tokens."""
+    def build(
+        cls,
+        pools: KVPools,
+        seqs: list[SeqCache],
+        lengths: list[int],
+        device: torch.device,
+        shape: DecodeShape | None = None,
+        padding: int = 0,
+    ) -> Batch:
+        """Per-step metadata, vectorised: request i continues at ``num_tokens`` with ``lengths[i]`` tokens.
+        With ``shape``, the requests (their last ``padding`` rows padding) fill it exactly."""
+        if shape is not None and (len(seqs), set(lengths)) != (shape.rows, {shape.width}):
+            raise ValueError(f"{len(seqs)} requests of lengths {sorted(set(lengths))} do not fill {shape}")
         starts = torch.tensor([s.num_tokens for s in seqs], dtype=torch.int64)
         counts = torch.tensor(lengths, dtype=torch.int64)
         request = torch.repeat_interleave(torch.arange(len(seqs)), counts)
         ends = counts.cumsum(0)
         positions = starts[request] + torch.arange(int(ends[-1])) - (ends - counts)[request]
+        # Padding tokens sit at position -1: before any position, they see nothing (and close no window).
+        positions = positions.masked_fill(request >= len(seqs) - padding, -1)
         width = max(max((len(s.tables[g.name]) for s in seqs), default=0) for g in pools.groups)
+        if shape is not None:
+            if width > shape.blocks:
+                raise ValueError(f"block tables: {width} blocks exceed the step's {shape.blocks}")
+            width = shape.blocks
         tables = {}
         for g in pools.groups:
             rows = [s.tables[g.name] + [-1] * (width - len(s.tables[g.name])) for s in seqs]
@@ -260,15 +309,52 @@ class Batch:
         window = pools.cfg.sliding_window
         back = positions[:, None] - torch.arange(window)
         batch = cls(pools, seqs, list(zip((ends - counts).tolist(), ends.tolist(), strict=True)), positions,
-                    request.to(torch.int32), tables, positions, back)  # fmt: skip
+                    request.to(torch.int32), tables, positions, back, shape, padding)  # fmt: skip
         batch.window_write = batch.slots("window", request, positions)
         batch.window_read = batch.slots("window", request[:, None].expand_as(back), back)
+        if shape is not None:
+            batch.compress = {
+                g.ratio: _compress_meta(g.ratio, shape, positions, request) for g in pools.groups[1:]
+            }
+            batch.engram_history = _look_backs(pools.cfg, seqs)
         return batch.to(device)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every per-step tensor, in a fixed order: what a graph of this shape reads."""
+        metas = [
+            t
+            for _, m in sorted(self.compress.items())
+            for t in (*vars(m.batch).values(), m.request, m.numbers)
+        ]
+        history = [] if self.engram_history is None else [self.engram_history]
+        tables = [self.tables[g.name] for g in self.pools.groups]
+        return [self.positions, self.request, self.window_write, self.window_read, *tables, *metas, *history]
+
+    def after(self, effect: Effect, *tensors: torch.Tensor) -> None:
+        """Run ``effect(batch, *tensors)``, host bookkeeping of the forward: at once, or with ``shape`` once
+        ``finish`` is called (a replayed graph runs no host code: it hands the tensors back instead)."""
+        if self.shape is None:
+            effect(self, *tensors)
+        else:
+            self.effects.append((effect, tensors))
+
+    def finish(self, effects: list[tuple[Effect, tuple[torch.Tensor, ...]]] | None = None) -> None:
+        """Run the deferred effects: this batch's, or those a graph recorded with its replay's tensors."""
+        for effect, tensors in self.effects if effects is None else effects:
+            effect(self, *tensors)
+        self.effects = []
 
     def to(self, device: torch.device) -> Batch:
         for name in ("positions", "request", "window_write", "window_read"):
             setattr(self, name, getattr(self, name).to(device))
         self.tables = {k: v.to(device) for k, v in self.tables.items()}
+        self.compress = {
+            r: CompressMeta(CompressBatch(*(t.to(device) for t in vars(m.batch).values())),
+                            m.request.to(device), m.numbers.to(device))
+            for r, m in self.compress.items()
+        }  # fmt: skip
+        if self.engram_history is not None:
+            self.engram_history = self.engram_history.to(device)
         return self
 
     def slots(self, group: str, request: torch.Tensor, numbers: torch.Tensor) -> torch.Tensor:
@@ -286,11 +372,29 @@ class Batch:
 
     def advance(self) -> None:
         """The call is done: every request has seen its tokens."""
-        for seq, (lo, hi) in zip(self.seqs, self.bounds, strict=True):
+        self.after(Batch._advance)
+
+    def _advance(self) -> None:
+        for seq, (lo, hi) in zip(self.live_seqs, self.bounds, strict=False):
             seq.num_tokens += hi - lo
 
+    @property
+    def live_seqs(self) -> list[SeqCache]:
+        """The requests, padding left out."""
+        return self.seqs[: len(self.seqs) - self.padding]
+
+    def write(self, pool: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        """``pool[slots] = rows``; with ``shape`` slot -1 (padding, or no window closed) is not written."""
+        if self.shape is None:
+            pool[slots] = rows.to(pool.dtype)
+        else:
+            store_rows(pool, slots, rows)
+
     def max_entries(self, ratio: int) -> int:
-        """Entries of the request that has the most once this call's tokens are in."""
+        """Entries of the request that has the most once this call's tokens are in; with ``shape``, what
+        the block tables can hold (a graph's shapes cannot follow the requests)."""
+        if self.shape is not None:
+            return self.shape.blocks * self.pools.slots_per_block[group_name(ratio)]
         return max(
             (s.num_tokens + hi - lo) // ratio for s, (lo, hi) in zip(self.seqs, self.bounds, strict=True)
         )
@@ -311,7 +415,7 @@ class Batch:
     ) -> None:
         """Write ``rows [E, c]``, entries ``numbers [E]`` of the requests ``request [E]``, into ``pool``."""
         if rows.shape[0]:
-            pool[self.slots(group_name(ratio), request, numbers)] = rows.to(pool.dtype)
+            self.write(pool, self.slots(group_name(ratio), request, numbers), rows)
 
     def key_pool(self, layer: int, ratio: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Index keys of compressing ``layer`` as the indexer ops read them: pool, block table, block size.
@@ -322,6 +426,43 @@ class Batch:
         per_block = self.pools.slots_per_block[name]
         blocks = -(-self.max_entries(ratio) // per_block)
         return self.pools.index_keys[layer], self.tables[name][:, :blocks].to(torch.int32), per_block
+
+
+def store_rows(pool: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """``pool[slots[i]] = rows[i]`` where ``slots[i] >= 0``, with no host read (a graph can hold it): a
+    row of slot -1 writes the first kept row again (the same value twice), or, when none is kept, the
+    pool's own row back."""
+    keep = slots >= 0
+    source = torch.where(keep, torch.arange(len(slots), device=slots.device), keep.int().argmax())
+    target = slots[source].clamp(min=0)
+    pool.index_put_((target,), torch.where(keep[source, None], rows[source].to(pool.dtype), pool[target]))
+
+
+def _compress_meta(
+    ratio: int, shape: DecodeShape, positions: torch.Tensor, request: torch.Tensor
+) -> CompressMeta:
+    """Token t is output row t where it closes a window (position + 1 a multiple of ``ratio``), of entry
+    number (position + 1) / ratio - 1."""
+    closes = ((positions + 1) % ratio == 0) & (positions >= 0)
+    rows = torch.arange(shape.rows + 1, dtype=torch.int32)
+    batch = CompressBatch(
+        rows * shape.width,
+        positions[:: shape.width].clamp(min=0).to(torch.int32),
+        rows[:-1].clone(),
+        torch.where(closes, torch.arange(len(positions)), -1).to(torch.int32),
+    )
+    return CompressMeta(batch, request, torch.where(closes, (positions + 1) // ratio - 1, -1))
+
+
+def _look_backs(cfg: ModelConfig, seqs: list[SeqCache]) -> torch.Tensor | None:
+    """Each request's Engram look-back ``[B, N_max - 1]``, -1 before it (hashes as before a first token)."""
+    if cfg.engram is None:
+        return None
+    size = cfg.engram.max_ngram_size - 1
+    device = next((s.engram_history.device for s in seqs if s.engram_history is not None), None)
+    none = torch.zeros(0, dtype=torch.int64, device=device)
+    histories = [none if s.engram_history is None else s.engram_history for s in seqs]
+    return torch.stack([F.pad(h, (size - h.numel(), 0), value=-1) for h in histories])
 
 
 def _check_tables(tables: dict[str, torch.Tensor], num_blocks: int) -> None:

@@ -5,7 +5,7 @@ Each op takes the operator's arguments flattened to tensors and scalars (the dat
 ``QuantWeight``, ``RoutedExperts`` and ``HashTables`` taken apart), runs the public operator (its
 Triton kernel on an NPU or a GPU, its torch reference on the CPU) and has a fake implementation
 that gives the outputs' shapes and dtypes without running it. ``compress`` declares what it writes
-(its states and output rows); ``store_rows`` writes pool rows, skipping slot ``-1``.
+(its states and output rows).
 
 The functions below are what the model calls. Outside tracing they call the operator directly:
 the dispatcher's round trip costs several microseconds a call, which the CPU path feels; under
@@ -392,30 +392,6 @@ def compress(
         s.overlap_gate, p.ratio, p.overlap, p.norm_weight, p.eps, p.ape, p.inv_freq, out, out_scale,
     )  # fmt: skip
     return None
-
-
-# --- pool writes ---------------------------------------------------------------------------------
-
-
-def _store(pool: Tensor, slots: Tensor, rows: Tensor) -> None:
-    keep = slots >= 0
-    pool[slots[keep]] = rows[keep].to(pool.dtype)
-
-
-@_op("store_rows", ("pool",))
-def _store_rows(pool: Tensor, slots: Tensor, rows: Tensor) -> None:
-    _store(pool, slots, rows)
-
-
-@_store_rows.register_fake
-def _(pool, slots, rows):
-    return None
-
-
-def store_rows(pool: Tensor, slots: Tensor, rows: Tensor) -> None:
-    """``pool[slots[i]] = rows[i]`` for every ``slots[i] >= 0``; rows of slot ``-1`` (padding, or no
-    entry closed) are dropped. Which rows are kept depends on the data: in a trace the op is one node."""
-    (_store_rows if tracing() else _store)(pool, slots, rows)
 
 
 # --- int8 quantisation, GEMMs -----------------------------------------------------------------------
