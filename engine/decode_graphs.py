@@ -26,6 +26,7 @@ from engine.config import EngineConfig
 from model.cache import Batch, CacheLayout, DecodeShape, KVPools, SeqCache
 from model.causal_lm import CausalLM
 from model.compressor import CompressorState, adopt
+from triton_kernels.compressor import CompressorStates
 
 Outputs = tuple[torch.Tensor, ...]
 BACKENDS = ("cuda", "npu", "fx", "eager")
@@ -61,7 +62,10 @@ class CapturedStep:
     ids: torch.Tensor
     padding: list[SeqCache]
     replay: Callable[[], Outputs]
-    owners: dict[tuple[str, int], list[CompressorState]] = field(default_factory=dict)
+    # (owner, layer) -> the graph's stack of those states and the state that holds each of its rows
+    stacks: dict[tuple[str, int], tuple[CompressorStates, list[CompressorState]]] = field(
+        default_factory=dict
+    )
 
 
 class DecodeGraphs:
@@ -91,7 +95,7 @@ class DecodeGraphs:
         kind = model.embed.weight.device.type
         if config.enforce_eager or kind not in ("cuda", "npu"):
             return None
-        blocks = table_width(pools.layout, config.max_model_len + drafts)
+        blocks = table_width(pools.layout, config.max_model_len + drafts + config.lookahead)
         graphs = cls(model, pools, config.max_num_seqs, blocks, kind, (1, 1 + drafts) if drafts else (1,))
         graphs.capture_all()
         return graphs
@@ -108,8 +112,6 @@ class DecodeGraphs:
         size = bucket(self.sizes, len(seqs))
         fits = all(len(t) <= self.max_blocks for s in seqs for t in s.tables.values())
         if width not in self.widths or set(lengths) != {width} or size is None or not fits:
-            return None
-        if any(s.num_tokens == 0 for s in seqs):  # a request's first chunk is a prefill
             return None
         return DecodeShape(size, width, self.max_blocks)
 
@@ -154,7 +156,7 @@ class DecodeGraphs:
         model = self.model
 
         def forward() -> Outputs:
-            batch.effects = []
+            batch.effects, batch.shared = [], {}  # what this run records, and builds, is its own
             logits, features = model.batch_forward(ids, batch, rows)
             return logits, features, *(t for _, tensors in batch.effects for t in tensors)
 
@@ -163,8 +165,8 @@ class DecodeGraphs:
             replay = forward if self.backend == "eager" else self._record(forward)
         step = CapturedStep(batch, ids, padding, replay)
         for owner in ("compressors", "indexers"):
-            for layer in getattr(padding[0], owner):
-                step.owners[owner, layer] = [getattr(s, owner)[layer] for s in padding]
+            for layer, state in getattr(padding[0], owner).items():
+                step.stacks[owner, layer] = state.stack, [getattr(s, owner)[layer] for s in padding]
         return step
 
     def _record(self, forward: Callable[[], Outputs]) -> Callable[[], Outputs]:
@@ -187,6 +189,5 @@ class DecodeGraphs:
 
     def _adopt(self, step: CapturedStep, rows: list[SeqCache]) -> None:
         """Each row's compressor states become that row of the graph's stacks."""
-        for (owner, layer), owners in step.owners.items():
-            states = [getattr(s, owner)[layer] for s in rows]
-            adopt(states, owners[0].stack, owners)
+        for (owner, layer), (stack, owners) in step.stacks.items():
+            adopt([getattr(s, owner)[layer] for s in rows], stack, owners)
