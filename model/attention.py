@@ -58,7 +58,7 @@ class Indexer(nn.Module):
         q = apply_rope(self.wq_b(q_r).view(-1, self.heads, self.dim), batch.positions, inv_freq)
         # The score's d_I^-1/2 and the weights' H^-1/2 are both folded into the head weights.
         weights = self.weights_proj(x).float() * (self.heads * self.dim) ** -0.5
-        visible = batch.visible(self.plan.compress_ratio).to(torch.int32)
+        visible = batch.visible(self.plan.compress_ratio)
         keys, table, per_block = batch.key_pool(self.plan.index, self.plan.compress_ratio)
         if self.int8:
             (q, q_scale), (keys, k_scale) = quantize_int8(q), quantize_int8(keys)

@@ -60,7 +60,7 @@ class Indexer41(nn.Module):
         """This layer's indexer queries (the score's scales folded into the weights)."""
         q = apply_rope(self.wq_b(q_r).view(-1, self.heads, self.dim), batch.positions, inv_freq)
         weights = self.weights_proj(x).float() * (self.dim * self.heads) ** -0.5
-        visible = batch.visible(self.plan.compress_ratio).to(torch.int32)
+        visible = batch.visible(self.plan.compress_ratio)
         return IndexQueries(q, weights, batch.request, visible)
 
     def select(self, queries: IndexQueries, batch: Batch, published: Published) -> torch.Tensor:

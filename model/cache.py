@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from math import gcd, isqrt
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -274,6 +275,7 @@ class Batch:
     engram_history: torch.Tensor | None = None  # [B, N_max - 1] look-backs, -1 first; ``shape`` only
     # What the step leaves to the host: each run with the batch and its tensors once the forward is done.
     effects: list[tuple[Effect, tuple[torch.Tensor, ...]]] = field(default_factory=list)
+    shared: dict[tuple, Any] = field(default_factory=dict)  # metadata every layer of the step reads
 
     @classmethod
     def build(
@@ -366,9 +368,15 @@ class Batch:
         block = table[request.long(), block_index] if table.shape[1] else torch.full_like(numbers, -1)
         return torch.where(valid & (block >= 0), block * per_block + numbers % per_block, -1)
 
+    def once(self, key: tuple, make: Callable[[], Any]) -> Any:
+        """``make()``, built once per step: the layers that need it share it."""
+        if key not in self.shared:
+            self.shared[key] = make()
+        return self.shared[key]
+
     def visible(self, ratio: int) -> torch.Tensor:
-        """Entries visible to each token: entry g is visible at position t iff g < (t+1) // ratio."""
-        return (self.positions + 1) // ratio
+        """Entries visible to each token (int32): entry g is visible at position t iff g < (t+1) // ratio."""
+        return self.once(("visible", ratio), lambda: ((self.positions + 1) // ratio).to(torch.int32))
 
     def advance(self) -> None:
         """The call is done: every request has seen its tokens."""
@@ -401,21 +409,33 @@ class Batch:
 
     def every_visible_entry(self, ratio: int) -> torch.Tensor:
         """Entry numbers ``[T, max_entries]`` of every entry each token sees, ``-1`` beyond."""
-        numbers = torch.arange(self.max_entries(ratio), device=self.positions.device).expand(
-            len(self.positions), -1
-        )
-        return numbers.masked_fill(numbers >= self.visible(ratio)[:, None], -1)
+
+        def make() -> torch.Tensor:
+            numbers = torch.arange(self.max_entries(ratio), device=self.positions.device)
+            numbers = numbers.expand(len(self.positions), -1)
+            return numbers.masked_fill(numbers >= self.visible(ratio)[:, None], -1)
+
+        return self.once(("every_visible_entry", ratio), make)
 
     def entry_slots(self, ratio: int, numbers: torch.Tensor) -> torch.Tensor:
         """Slots of each token's entry numbers ``[T, K]`` in its request's compressed group."""
-        return self.slots(group_name(ratio), self.request[:, None].expand_as(numbers), numbers)
+        request = self.request[:, None].expand_as(numbers)
+        return self._slots_of(group_name(ratio), request, numbers)
+
+    def _slots_of(self, group: str, request: torch.Tensor, numbers: torch.Tensor) -> torch.Tensor:
+        """``slots``, once per step for the same ``numbers`` (the layers reading one index source, the
+        compressors of one ratio)."""
+        _, slots = self.once(
+            ("slots", group, id(numbers)), lambda: (numbers, self.slots(group, request, numbers))
+        )
+        return slots
 
     def store(
         self, pool: torch.Tensor, ratio: int, request: torch.Tensor, numbers: torch.Tensor, rows: torch.Tensor
     ) -> None:
         """Write ``rows [E, c]``, entries ``numbers [E]`` of the requests ``request [E]``, into ``pool``."""
         if rows.shape[0]:
-            self.write(pool, self.slots(group_name(ratio), request, numbers), rows)
+            self.write(pool, self._slots_of(group_name(ratio), request, numbers), rows)
 
     def key_pool(self, layer: int, ratio: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Index keys of compressing ``layer`` as the indexer ops read them: pool, block table, block size.
@@ -425,7 +445,8 @@ class Batch:
         name = group_name(ratio)
         per_block = self.pools.slots_per_block[name]
         blocks = -(-self.max_entries(ratio) // per_block)
-        return self.pools.index_keys[layer], self.tables[name][:, :blocks].to(torch.int32), per_block
+        table = self.once(("key_table", ratio), lambda: self.tables[name][:, :blocks].to(torch.int32))
+        return self.pools.index_keys[layer], table, per_block
 
 
 def store_rows(pool: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
