@@ -27,7 +27,7 @@ from triton.runtime.interpreter import GridExecutor  # noqa: E402
 from engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 from engine.request import SamplingParams  # noqa: E402
 from model.checkpoint import load_model  # noqa: E402
-from model.tiny import cached_tiny  # noqa: E402
+from model.testing.tiny import cached_tiny  # noqa: E402
 from model.tokenizer import load_tokenizer  # noqa: E402
 
 LENGTHS = (5, 29, 13, 21, 9, 33, 17, 25)  # 1 mod 4, below 127: the same windows close in every batch

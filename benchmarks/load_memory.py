@@ -4,7 +4,7 @@ the host memory the loader needs on top of them.
 ``python -m benchmarks.load_memory [--like v4-flash] [--layers 2] [--experts 16]
 [--layout official|msmodelslim|msmodelslim-w4a8] [--dir DIR] [--device cpu] [--dtype bfloat16]``
 
-Writes the checkpoint (``model.release_like``; into ``--dir`` if given and empty, else a temporary
+Writes the checkpoint (``model.testing.release_like``; into ``--dir`` if given and empty, else a temporary
 folder), then loads it in a fresh process so the idle RSS is that of the imports alone, and prints
 - resident weight bytes / checkpoint tensor bytes (goal <= 1.05: the weights stay as stored),
 - peak host RSS during the load minus the idle RSS, less the resident weights when they live in host
@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from model.checkpoint import load_model, placement, stored_tensors
-from model.release_like import LAYOUTS, LIKES, write_like
+from model.testing.release_like import LAYOUTS, LIKES, write_like
 
 
 def _status(field: str) -> int:

@@ -117,7 +117,7 @@ def main() -> None:
         print(json.dumps(measure(args.measure, args, args.contexts)))
         return
     from model.checkpoint import placement
-    from model.tiny import write_tiny
+    from model.testing.tiny import write_tiny
 
     with tempfile.TemporaryDirectory() as tmp:
         path = write_tiny(Path(tmp) / "v41", "v41")

@@ -27,7 +27,7 @@ from engine.llm_engine import EngineConfig, LLMEngine
 from engine.request import SamplingParams
 from model.checkpoint import load_model, placement, placement_arguments, read_tensors
 from model.hf_names import to_transformers
-from model.tiny import write_tiny
+from model.testing.tiny import write_tiny
 from model.tokenizer import load_tokenizer
 
 

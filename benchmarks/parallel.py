@@ -21,9 +21,9 @@ import torch
 
 import benchmarks.common  # noqa: F401  (sets the interpreter switch before any kernel module loads)
 from engine.llm import LLM
-from engine.rank_plans import RankReport, report
+from engine.parallel.plans import RankReport, report
 from engine.request import SamplingParams
-from model.tiny import cached_tiny
+from model.testing.tiny import cached_tiny
 
 
 def serve_once(

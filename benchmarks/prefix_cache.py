@@ -27,7 +27,7 @@ from engine.request import SamplingParams
 from model.chat import encode_messages
 from model.chat_profile import RESERVED_FRAGMENTS, ChatProfile, select_chat_profile
 from model.checkpoint import load_model, placement, placement_arguments
-from model.tiny import ARCHS, cached_tiny
+from model.testing.tiny import ARCHS, cached_tiny
 from model.tokenizer import load_tokenizer
 
 TOOLS = [

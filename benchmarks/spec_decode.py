@@ -22,7 +22,7 @@ from engine.llm_engine import EngineConfig, LLMEngine
 from engine.request import Request, SamplingParams
 from engine.spec_decode.proposer import Proposer, ScriptedProposer
 from model.checkpoint import load_model, placement, placement_arguments
-from model.tiny import cached_tiny
+from model.testing.tiny import cached_tiny
 from model.tokenizer import load_tokenizer
 
 METHODS = {"v4": "mtp", "v4-dspark": "dspark", "v41": "dspark"}

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from model.config import ModelConfig
-from model.tiny import toy_config
+from model.testing.tiny import toy_config
 
 
 @dataclass(frozen=True)
@@ -82,6 +82,6 @@ def from_arguments(args: argparse.Namespace, tiny: bool, every_batch: bool) -> W
     if args.model_config:
         model, source = ModelConfig.from_file(args.model_config), str(Path(args.model_config))
     else:
-        model, source = ModelConfig.from_dict(toy_config("v41")), "tiny v41 (model.tiny)"
+        model, source = ModelConfig.from_dict(toy_config("v41")), "tiny v41 (model.testing.tiny)"
     limits = Limits(args.max_num_seqs, args.max_num_batched_tokens, args.max_model_len)
     return Workload(model, source, TINY_PHASES if tiny else limits.phases(every_batch))

@@ -11,6 +11,19 @@ SPECULATIVE_METHODS = ("mtp", "dspark")
 SPECULATIVE_ALIASES = {"mtp": "mtp", "deepseek_mtp": "mtp", "dspark": "dspark"}
 
 
+def read_speculative_config(config: Any, name: str) -> tuple[str, int | None]:
+    """vLLM's ``speculative_config`` (``{"method": ..., "num_speculative_tokens": ...}``) as our method and
+    draft count; ``name``: how an error names it (the server's flag, ``LLM``'s argument)."""
+    if not isinstance(config, dict):
+        raise ValueError(f"{name} must be a JSON object, not {config!r}")
+    if unknown := sorted(set(config) - {"method", "num_speculative_tokens"}):
+        raise ValueError(f"{name}: {', '.join(unknown)} not supported (method, num_speculative_tokens)")
+    method = SPECULATIVE_ALIASES.get(config.get("method"))
+    if method is None:
+        raise ValueError(f"{name} method={config.get('method')!r}: one of {sorted(SPECULATIVE_ALIASES)}")
+    return method, config.get("num_speculative_tokens")
+
+
 def _flag(default: Any, help: str, **cli: Any) -> Any:
     """An engine field and its server flag ``--field-name``: the help, and how the flag reads its value
     (``unit``: ``tokens`` as 64k / ``bytes`` as 8GiB / ``tokens or auto``, vLLM's `auto` read as None,
@@ -50,6 +63,12 @@ class EngineConfig:
     def world_size(self) -> int:
         """Processes the engine runs on: one per tensor- or data-parallel rank."""
         return self.tensor_parallel_size * self.data_parallel_size
+
+    @property
+    def data_parallel(self) -> bool:
+        """Whether the ranks are data-parallel engines (the routed experts split over them) rather than
+        one engine's tensor-parallel shards."""
+        return self.data_parallel_size > 1
 
     @property
     def prefix_caching(self) -> bool:

@@ -18,8 +18,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.prefix_cache import Checkpoint, Hit, Page, PrefixCache
+from engine.config import EngineConfig
+from engine.prefix_cache import Checkpoint, Hit, Page, PrefixCache, cache_salt, check_page_size
 from model.cache import CacheGroup, CacheLayout
+from model.causal_lm import CausalLM
 
 
 @dataclass
@@ -29,17 +31,12 @@ class BlockTable:
 
 
 class KVCacheManager:
-    def __init__(
-        self,
-        groups: tuple[CacheGroup, ...],
-        block_size: int,
-        num_blocks: int,
-        prefix: PrefixCache | None = None,
-    ):
-        if block_size < 1 or num_blocks < 1:
-            raise ValueError(f"block_size={block_size} and num_blocks={num_blocks} must be positive")
-        self.layout = CacheLayout.of(groups, block_size)  # the pools view the blocks with this same layout
-        self.groups, self.block_size, self.num_blocks = groups, block_size, num_blocks
+    def __init__(self, layout: CacheLayout, num_blocks: int, prefix: PrefixCache | None = None):
+        """``layout``: how a block splits into every group's slots; the pools view the blocks with it too."""
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks={num_blocks} must be positive")
+        self.layout = layout
+        self.groups, self.block_size, self.num_blocks = layout.groups, layout.block_size, num_blocks
         self.block_bytes, self.slots_per_block = self.layout.block_bytes, self.layout.slots_per_block
         self.free: list[int] = list(range(num_blocks - 1, -1, -1))
         self.tables: dict[str, dict[str, BlockTable]] = {}  # request id -> group name -> table
@@ -53,17 +50,20 @@ class KVCacheManager:
 
     @classmethod
     def from_budget(
-        cls,
-        groups: tuple[CacheGroup, ...],
-        block_size: int,
-        memory_bytes: int,
-        prefix: PrefixCache | None = None,
+        cls, layout: CacheLayout, memory_bytes: int, prefix: PrefixCache | None = None
     ) -> KVCacheManager:
         """As many blocks as ``memory_bytes`` holds."""
-        block_bytes = CacheLayout.of(groups, block_size).block_bytes
-        if memory_bytes < block_bytes:
-            raise ValueError(f"kv cache memory {memory_bytes} B is below one block ({block_bytes} B)")
-        return cls(groups, block_size, memory_bytes // block_bytes, prefix)
+        if memory_bytes < layout.block_bytes:
+            raise ValueError(f"kv cache memory {memory_bytes} B is below one block ({layout.block_bytes} B)")
+        return cls(layout, memory_bytes // layout.block_bytes, prefix)
+
+    @classmethod
+    def for_model(cls, model: CausalLM, config: EngineConfig, prefix: bool = True) -> KVCacheManager:
+        """The cache ``config`` sizes for ``model``'s groups; ``prefix``: with the prefix cache ``config``
+        asks for (a tensor-parallel worker's cache mirrors rank 0's tables, so it keeps none)."""
+        layout = CacheLayout.for_model(model.cfg, model.embed.weight.dtype, config.block_size)
+        prefix_cache = _prefix_cache(model, config) if prefix else None
+        return cls.from_budget(layout, config.kv_cache_memory, prefix_cache)
 
     @property
     def num_free(self) -> int:
@@ -277,3 +277,12 @@ class KVCacheManager:
                 span = min(num_tokens, max_chunk + group.window - 1)
                 peak += -(-span // per_block) + 1
         return peak
+
+
+def _prefix_cache(model: CausalLM, config: EngineConfig) -> PrefixCache | None:
+    if not config.prefix_caching:
+        return None
+    cfg = model.cfg
+    check_page_size(config.prefix_page_size, tuple(cfg.compress_ratios), cfg.sliding_window)
+    dtypes = sorted({str(p.dtype) for p in model.parameters()})  # int8 where requantised
+    return PrefixCache(config.prefix_page_size, cache_salt(repr(cfg), *dtypes))

@@ -17,14 +17,12 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from engine.config import SPECULATIVE_ALIASES, EngineConfig
-from engine.data_parallel import build_engine
+from engine.config import EngineConfig, read_speculative_config
+from engine.factory import default_model, start_engine
 from engine.request import Request, SamplingParams
-from engine.workers import load_ranks
 from model.chat import encode_messages
 from model.chat_profile import select_chat_profile
-from model.checkpoint import loader_quantization, placement
-from model.tokenizer import load_tokenizer, prompt_ids
+from model.tokenizer import prompt_ids
 
 Prompt = str | list[int] | dict[str, Any]
 
@@ -72,22 +70,13 @@ class LLM:
         ``trust_remote_code`` is accepted as vLLM's and changes nothing here. ``tensor_parallel_size``
         N > 1 spawns N - 1 worker processes (``close()`` ends them). ``data_parallel_size`` D > 1 (with
         ``enable_expert_parallel``) runs D engines, one process each, the routed experts split over them."""
-        where, compute_dtype = placement(device, dtype)
         known = {f.name for f in dataclasses.fields(EngineConfig)}
         if unknown := sorted(set(engine_args) - known):
             raise ValueError(f"unknown engine arguments {unknown}; known: {sorted(known)}")
         if speculative_config is not None:
-            method = SPECULATIVE_ALIASES.get(speculative_config.get("method"))
-            if method is None or set(speculative_config) - {"method", "num_speculative_tokens"}:
-                methods = sorted(SPECULATIVE_ALIASES)
-                raise ValueError(f"speculative_config={speculative_config!r}: method ({methods}) and "
-                                 "num_speculative_tokens only")  # fmt: skip
-            engine_args["speculative_method"] = method
-            engine_args["num_speculative_tokens"] = speculative_config.get("num_speculative_tokens")
-        if model is None:
-            from model.tiny import cached_tiny
-
-            model = cached_tiny("v41")
+            method, tokens = read_speculative_config(speculative_config, "speculative_config")
+            engine_args["speculative_method"], engine_args["num_speculative_tokens"] = method, tokens
+        model = default_model() if model is None else model
         config = EngineConfig(
             tensor_parallel_size=tensor_parallel_size,
             data_parallel_size=data_parallel_size,
@@ -95,15 +84,11 @@ class LLM:
             enforce_eager=enforce_eager,
             **engine_args,
         )
-        quantization = loader_quantization(model, quantization)
-        built, self.workers = load_ranks(model, compute_dtype, where, config, quantization)
+        started = start_engine(model, config, device, dtype, quantization)
+        self.engine, self.workers = started.engine, started.workers
         if self.workers:
             weakref.finalize(self, self.workers.close)
-        try:
-            self.engine = build_engine(built, load_tokenizer(model), config, self.workers)
-        except BaseException:
-            self.close()
-            raise
+        built = self.engine.model
         self.chat_profile = select_chat_profile(built.cfg.model_type, Path(model), chat_encoding)
 
     def close(self) -> None:

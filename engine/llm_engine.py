@@ -1,8 +1,10 @@
 """The engine loop: ``LLMEngine.step() = Scheduler.schedule() -> ModelRunner.run() -> Sampler -> update``
-(``-> Proposer`` when speculating), and ``LLM``, the offline API on top of it."""
+(``-> Proposer`` when speculating). ``engine.factory`` builds it; ``engine.llm.LLM`` and the server
+drive it."""
 
 from __future__ import annotations
 
+import copy
 import logging
 from dataclasses import dataclass
 
@@ -12,17 +14,16 @@ from tokenizers import Tokenizer
 from engine.config import EngineConfig
 from engine.decode_graphs import DecodeGraphs
 from engine.detokenizer import IncrementalDetokenizer
+from engine.interface import EngineStats
 from engine.kv_cache import KVCacheManager
 from engine.model_runner import ModelRunner
-from engine.prefix_cache import PrefixCache, cache_salt, check_page_size
-from engine.request import FinishReason, InvalidRequest, Request, SamplingParams, is_integer
+from engine.request import FinishReason, InvalidRequest, LogitsProcessor, Request, SamplingParams, is_integer
 from engine.sampler import Sampler
 from engine.scheduler import ScheduledChunk, Scheduler
 from engine.spec_decode import build_proposer
 from engine.spec_decode.proposer import Observation, Proposer
 from engine.spec_decode.stats import SpecDecodeStats
-from engine.workers import LeaderRunner, Workers
-from model.cache import BoundaryState, SeqCache, cache_groups
+from model.cache import BoundaryState, SeqCache
 from model.causal_lm import CausalLM
 from triton_kernels.tuning import load_tuned_files
 
@@ -52,30 +53,30 @@ class Completion:
 
 
 class LLMEngine:
+    """The ``Engine`` of one process, or of rank 0 over tensor-parallel workers (its runner's)."""
+
     def __init__(
         self,
         model: CausalLM,
         tokenizer: Tokenizer,
         config: EngineConfig,
         proposer: Proposer | None = None,
-        workers: Workers | None = None,
+        runner: ModelRunner | None = None,
     ):
         """``proposer`` replaces the one ``config.speculative_method`` names (tests, benchmarks);
-        ``workers``: the other tensor-parallel ranks, which run each step's forward with this one."""
+        ``runner`` runs the steps over its KV cache (``engine.factory`` gives rank 0's under tensor
+        parallelism); None: a runner of this process alone, over the cache ``config`` sizes."""
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.tuned_files = load_tuned_files()  # a bad file fails here, before any request
-        groups = cache_groups(model.cfg, model.embed.weight.element_size())
-        self.cache = KVCacheManager.from_budget(
-            groups, config.block_size, config.kv_cache_memory, self._prefix_cache(model, config)
-        )
-        self.runner = (
-            ModelRunner(model, self.cache) if workers is None else LeaderRunner(model, self.cache, workers)
-        )
+        self.runner = runner or ModelRunner(model, KVCacheManager.for_model(model, config))
+        self.cache = self.runner.cache
         self.sampler = Sampler(config.seed, model.cfg.eos_token_id)
         self.proposer, self.num_drafts = build_proposer(
             config, model, self.runner.pools, self.sampler, proposer, self.runner.share
         )
-        if workers is None:  # the ranks of a tensor-parallel group would each need the same graphs
+        if (
+            type(self.runner) is ModelRunner
+        ):  # not over tensor-parallel ranks: each would need the same graphs
             self.runner.graphs = DecodeGraphs.for_engine(model, self.runner.pools, config, self.num_drafts)
         self.spec_stats = SpecDecodeStats()
         self.lookahead = self.proposer.lookahead if self.proposer else 0
@@ -87,21 +88,17 @@ class LLMEngine:
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._arrivals = 0
 
-    @staticmethod
-    def _prefix_cache(model: CausalLM, config: EngineConfig) -> PrefixCache | None:
-        if not config.prefix_caching:
-            return None
-        cfg = model.cfg
-        check_page_size(config.prefix_page_size, tuple(cfg.compress_ratios), cfg.sliding_window)
-        dtypes = sorted({str(p.dtype) for p in model.parameters()})  # int8 where requantised
-        return PrefixCache(config.prefix_page_size, cache_salt(repr(cfg), *dtypes))
-
     def add_request(
-        self, prompt: list[int], params: SamplingParams, request_id: str | None = None
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        logits_processor: LogitsProcessor | None = None,
     ) -> Request:
         """Validate and queue a request; everything that could never run is rejected here."""
         self.validate(prompt, params)
         request = Request(list(prompt), params, arrival=self._arrivals)
+        request.logits_processor = logits_processor
         if request_id is not None:
             if request_id in self.requests:
                 raise ValueError(f"request id {request_id!r} is already in use")
@@ -254,6 +251,16 @@ class LLMEngine:
         request.proposal = None
         if self.proposer:
             self.proposer.release(request.id)
+
+    def streamed_text(self, request: Request) -> str:
+        return self.detokenizers[request.id].text
+
+    def stats(self) -> EngineStats:
+        scheduler, cache = self.scheduler, self.cache
+        spec = None if self.proposer is None else copy.deepcopy(self.spec_stats)  # read from another thread
+        return EngineStats(len(scheduler.running), cache.num_blocks, cache.usage_ratio(), self.step_tokens,
+                           scheduler.preemptions, scheduler.prefix_queries, scheduler.prefix_hits,
+                           spec)  # fmt: skip
 
     def text(self, request: Request) -> str:
         text = self.tokenizer.decode(request.output, skip_special_tokens=request.params.skip_special_tokens)

@@ -13,10 +13,10 @@ from pathlib import Path
 import torch
 
 from engine.kv_cache import KVCacheManager
-from model.cache import cache_groups
+from model.cache import CacheLayout
 from model.checkpoint import plan_shard
 from model.config import ModelConfig
-from model.parallel import ParallelContext
+from model.parallel.context import ParallelContext
 
 GIB = 2**30
 
@@ -100,8 +100,7 @@ def plan_memory(
                 f"memory plan: --kv-cache-memory={kv} B with weights {weights / GIB:.3f} GiB and activations "
                 f"{activations / GIB:.3f} GiB exceeds the device's {device_bytes / GIB:.1f} GiB"
             )
-    groups = cache_groups(model.cfg, itemsize)
-    cache = KVCacheManager(groups, block_size, 1)
+    cache = KVCacheManager(CacheLayout.for_model(model.cfg, dtype, block_size), 1)
     chunk = max_num_batched_tokens + lookahead
     if max_model_len is None:
         fits = max(kv, 0) // cache.block_bytes

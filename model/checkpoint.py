@@ -31,7 +31,8 @@ from model.config import ModelConfig
 from model.deepseek_v4 import DeepseekV4
 from model.deepseek_v41 import DeepseekV41
 from model.engram import Engram, compressed_token_map
-from model.parallel import ParallelContext, ShardPlan, connect, replace_module, shard_model
+from model.parallel.context import ParallelContext
+from model.parallel.sharding import ShardPlan, connect, replace_module, shard_model
 from model.quant import dequantize_fp4, dequantize_fp8
 from model.quant_linear import BIAS_COLUMNS, DenseLinear, Fp8Linear, Int8Linear, Mxfp4Linear, StackedExperts
 from model.shards import StoredTensor, read_headers
@@ -305,7 +306,6 @@ def plan_shard(
         model.checkpoint_names(), {name: unpacked_shape(name, stored) for name in weight_names(stored)}
     )
     check_scales(stored, cfg.fp8_block)
-    check_description(path, stored)
     shard = None
     if parallel is not None and parallel.world > 1:
         shard = shard_model(model, parallel)

@@ -1,7 +1,7 @@
 """Engram (DeepSeek V4.1, model-spec §6): n-gram hash tables injected into the hc streams.
 
-``EngramConfig`` is the model config's ``engram`` section (its ``engram_*`` keys) and checks the prime
-bucket layout (§6.2) against ``engram_num_embeddings``. ``compressed_token_map`` builds the normalised token
+Its config section is ``model.config.EngramConfig`` (the ``engram_*`` keys, with the prime bucket layout of
+§6.2). ``compressed_token_map builds the normalised token
 map from a tokenizer and ``EngramHasher`` turns token ids into bucket ids for every Engram layer (§6.3),
 carrying the request's last ``N_max - 1`` compressed ids so chunked prefill and decode hash exactly like
 one-shot prefill. ``Engram`` is one layer's lookup and gated fusion (§6.4), mounted by the model as
@@ -10,22 +10,21 @@ one-shot prefill. ``Engram`` is one layer's lookup and gated fusion (§6.4), mou
 
 from __future__ import annotations
 
-import functools
 import re
 import unicodedata
 from dataclasses import dataclass
-from itertools import accumulate
 
 import numpy as np
 import torch
 from tokenizers import Tokenizer
 from torch import nn
 
+from model.config import EngramConfig
 from model.quant_linear import DenseLinear
 from triton_kernels.custom_ops import engram_gather, engram_hash
 from triton_kernels.engram import HashTables, hash_tables
 from triton_kernels.quant_matmul import decode_e4m3, decode_e8m0
-from triton_kernels.safe_access import take_rows
+from triton_kernels.shared import take_rows
 
 _SEED_PRIME = 10007
 _INT64_MAX = 2**63 - 1
@@ -38,50 +37,6 @@ _MARKS = ("Mn", "Mc", "Me")
 _REPLACEMENT = "\ufffd"
 
 
-@dataclass(frozen=True)
-class BucketLayout:
-    """Primes and column offsets per Engram layer; column ``(o - 2) * h_E + h`` is order ``o``, head ``h``."""
-
-    primes: tuple[tuple[int, ...], ...]
-    offsets: tuple[tuple[int, ...], ...]
-
-    @property
-    def rows(self) -> tuple[int, ...]:
-        return tuple(sum(p) for p in self.primes)
-
-
-def _is_prime(n: int) -> bool:
-    if n < 4:
-        return n >= 2
-    if n % 2 == 0 or n % 3 == 0:
-        return False
-    f = 5
-    while f * f <= n:
-        if n % f == 0 or n % (f + 2) == 0:
-            return False
-        f += 6
-    return True
-
-
-@functools.cache
-def bucket_layout(n_layers: int, max_ngram_size: int, n_heads: int, vocab_size: int) -> BucketLayout:
-    used: set[int] = set()
-    primes = []
-    for _ in range(n_layers):
-        layer = []
-        for _order in range(2, max_ngram_size + 1):
-            candidate = vocab_size - 1  # the search restarts for every (layer, order)
-            for _head in range(n_heads):
-                candidate += 1
-                while candidate in used or not _is_prime(candidate):
-                    candidate += 1
-                used.add(candidate)
-                layer.append(candidate)
-        primes.append(tuple(layer))
-    offsets = tuple(tuple(accumulate(p[:-1], initial=0)) for p in primes)
-    return BucketLayout(tuple(primes), offsets)
-
-
 def multipliers(layer_id: int, max_ngram_size: int, compressed_vocab_size: int) -> np.ndarray:
     """The odd per-look-back multipliers of one Engram layer, int64 [N_max]."""
     bound = max(1, _INT64_MAX // compressed_vocab_size // 2)
@@ -89,58 +44,6 @@ def multipliers(layer_id: int, max_ngram_size: int, compressed_vocab_size: int) 
         0, bound, size=max_ngram_size, dtype=np.int64
     )
     return 2 * draws + 1
-
-
-@dataclass(frozen=True)
-class EngramConfig:
-    layer_ids: tuple[int, ...]
-    num_embeddings: tuple[int, ...]
-    max_ngram_size: int
-    vocab_size: int  # the prime search start
-    n_heads: int
-    head_dim: int
-    compressed_vocab_size: int
-    hc_mult: int  # the model's hc_mult, hidden_size and rms_norm_eps
-    hidden_size: int
-    norm_eps: float
-    pad_token_id: int = 2
-
-    def __post_init__(self) -> None:
-        ids = self.layer_ids
-        if not ids or list(ids) != sorted(set(ids)) or ids[0] < 0:
-            raise ValueError(f"engram_layer_ids: {list(ids)} must be non-empty, sorted, unique and >= 0")
-        if len(self.num_embeddings) != len(ids):
-            raise ValueError(
-                f"engram_num_embeddings: {len(self.num_embeddings)} entries != {len(ids)} engram layers"
-            )
-        for name, value, low in (
-            ("engram_max_ngram_size", self.max_ngram_size, 2),
-            ("engram_vocab_size", self.vocab_size, 1),
-            ("engram_n_heads", self.n_heads, 1),
-            ("engram_head_dim", self.head_dim, 1),
-            ("engram_pad_token_id", self.pad_token_id, 0),
-            ("engram_compressed_vocab_size", self.compressed_vocab_size, 1),
-            ("hc_mult", self.hc_mult, 1),
-            ("hidden_size", self.hidden_size, 1),
-        ):
-            if value < low:
-                raise ValueError(f"{name}: {value} must be >= {low}")
-        if not self.norm_eps > 0:
-            raise ValueError(f"rms_norm_eps: {self.norm_eps} must be > 0")
-        for slot, (layer, rows) in enumerate(zip(ids, self.num_embeddings, strict=True)):
-            if rows != self.layout.rows[slot]:
-                raise ValueError(
-                    f"engram_num_embeddings[{slot}]: {rows} != {self.layout.rows[slot]}, the sum of the "
-                    f"primes of layer {layer}"
-                )
-
-    @property
-    def cols(self) -> int:
-        return (self.max_ngram_size - 1) * self.n_heads
-
-    @property
-    def layout(self) -> BucketLayout:
-        return bucket_layout(len(self.layer_ids), self.max_ngram_size, self.n_heads, self.vocab_size)
 
 
 def normalize_token_text(text: str) -> str:

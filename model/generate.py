@@ -15,7 +15,7 @@ from model.causal_lm import CausalLM
 from model.chat import encode_messages
 from model.chat_profile import PROFILES, select_chat_profile
 from model.checkpoint import load_model, loader_quantization, placement, placement_arguments
-from model.tiny import ARCHS, cached_tiny
+from model.testing.tiny import ARCHS, cached_tiny
 from model.tokenizer import load_tokenizer, prompt_ids
 
 

@@ -5,17 +5,19 @@
   row and ``B`` channels (scale ``[out, ceil(in/B)]``).
 - MXFP4 (routed experts): I8 ``[out, in/2]``, two E2M1 codes per byte, the low nibble first, and
   an E8M0 scale per 32 inputs (``[out, in/32]``).
+
+E2M1 codes decode as the kernels decode them (``quant_matmul.decode_e2m1``); E4M3 and E8M0 through torch's
+float8 dtypes, which ``quant_matmul``'s decoders match bit for bit.
 """
 
 from __future__ import annotations
 
 import torch
 
+from triton_kernels.quant_matmul import MXFP4_GROUP, decode_e2m1
+
 FP8_MAX = 448.0  # largest finite E4M3 value
-
-
-FP4_BLOCK = 32
-_E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+_E2M1 = decode_e2m1(torch.arange(16))  # every code's value, for the nearest-code search
 
 
 def _expand_blocks(scale: torch.Tensor, shape: torch.Size, block: int) -> torch.Tensor:
@@ -62,19 +64,19 @@ def dequantize_fp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
     if packed.dtype not in (torch.int8, torch.uint8) or packed.dim() != 2:
         raise ValueError(f"FP4 weight must be a 2-D int8 tensor, got {packed.dtype} {tuple(packed.shape)}")
     rows, cols = packed.shape[0], packed.shape[1] * 2
-    if tuple(scale.shape) != (rows, -(-cols // FP4_BLOCK)):
+    if tuple(scale.shape) != (rows, -(-cols // MXFP4_GROUP)):
         raise ValueError(f"FP4 scale shape {tuple(scale.shape)} does not match {rows} x {cols} weights")
     codes = packed.view(torch.uint8)
-    values = _E2M1[torch.stack([codes & 0xF, codes >> 4], dim=-1).long()].view(rows, cols)
-    return (values * scale.float().repeat_interleave(FP4_BLOCK, 1)[:, :cols]).to(dtype)
+    values = decode_e2m1(torch.stack([codes & 0xF, codes >> 4], dim=-1)).view(rows, cols)
+    return (values * scale.float().repeat_interleave(MXFP4_GROUP, 1)[:, :cols]).to(dtype)
 
 
 def quantize_fp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Round ``weight [out, in]`` (``in`` even) to MXFP4 codes with one E8M0 scale per 32 inputs."""
     rows, cols = weight.shape
-    groups = weight.float().view(rows, -1, FP4_BLOCK) if cols % FP4_BLOCK == 0 else None
+    groups = weight.float().view(rows, -1, MXFP4_GROUP) if cols % MXFP4_GROUP == 0 else None
     if groups is None or cols % 2:
-        raise ValueError(f"FP4 weight inputs {cols} must be a multiple of {FP4_BLOCK}")
+        raise ValueError(f"FP4 weight inputs {cols} must be a multiple of {MXFP4_GROUP}")
     scale = torch.exp2(torch.ceil(torch.log2(groups.abs().amax(-1).clamp_min(1e-30) / 6.0)))
     scaled = (groups / scale[..., None]).view(rows, cols)
     codes = (scaled[..., None] - _E2M1).abs().argmin(dim=-1).to(torch.uint8)  # nearest representable

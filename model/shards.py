@@ -118,3 +118,40 @@ def read_headers(files: list[Path], weight_map: dict[str, str] | None = None) ->
             if name not in tensors or tensors[name].file.name != file:
                 raise ValueError(f"the index puts tensor {name} in {file}, which does not hold it")
     return tensors
+
+
+@dataclass(frozen=True)
+class TensorSlice:
+    dim: int
+    start: int
+    stop: int
+
+    def take(self, t: torch.Tensor) -> torch.Tensor:
+        return t.narrow(self.dim, self.start, self.stop - self.start)
+
+    def blocks(self, block: int, name: str) -> TensorSlice:
+        """The slice of a block-scale tensor that scales this slice of its weight: it must start and end on
+        block boundaries (a block's one scale cannot be shared by two ranks)."""
+        if self.start % block or self.stop % block:
+            raise ValueError(
+                f"{name}: the rank's slice [{self.start}, {self.stop}) of dimension {self.dim} does not fall "
+                f"on the FP8 block of {block}"
+            )
+        return TensorSlice(self.dim, self.start // block, self.stop // block)
+
+    def read_into(self, entry: StoredTensor, target: torch.Tensor) -> None:
+        """Read this slice of a stored tensor into ``target`` of its dtype: a row slice is one contiguous
+        byte range of the file; other slices read the tensor (host peak: one tensor) and cut it."""
+        if self.dim != 0:
+            target.copy_(self.take(entry.read()))
+            return
+        row_bytes = entry.nbytes // entry.shape[0]
+        rows = StoredTensor(
+            entry.name,
+            entry.file,
+            entry.dtype,
+            (self.stop - self.start, *entry.shape[1:]),
+            entry.start + self.start * row_bytes,
+            (self.stop - self.start) * row_bytes,
+        )
+        rows.read_into(target)

@@ -46,6 +46,7 @@ from triton_kernels import runtime, tuning
 from triton_kernels.quant import quantize_int8_ref
 from triton_kernels.rmsnorm import rms_norm_ref
 from triton_kernels.rope import apply_rope_ref
+from triton_kernels.shared import quantize_rows, rms_factor, rotate_pairs
 from triton_kernels.spec import TuneConfig, Variant
 
 MAX_DIM = 1024  # the entry row is held whole
@@ -53,7 +54,6 @@ _IN_DTYPES = (torch.float32, torch.bfloat16)
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
 _MAX_NUMEL = 2**31 - 1  # offsets and positions are int32 inside the kernels
 _NEG = tl.constexpr(-1.0e30)
-_TINY = tl.constexpr(1e-30)  # as quant: an all-zero row quantises to 0 without NaN
 
 
 @dataclass(frozen=True)
@@ -314,15 +314,11 @@ def rotate_rows(x, pos, freq_ptr, nope, P, sign, DP: tl.constexpr):
 
     ``nope`` is even, so every pair starts at an even channel; the other pairs turn by 0 (unchanged).
     """
-    rows: tl.constexpr = x.shape[0]
-    even, odd = tl.split(tl.reshape(x, [rows, DP // 2, 2]))
     i = tl.arange(0, DP // 2) - nope // 2
     turns = (i >= 0) & (i < P)
     safe = tl.minimum(tl.maximum(i, 0), P - 1)
     angle = pos * tl.load(freq_ptr + safe, mask=turns, other=0.0)  # in-bounds: index clamped to [0, P)
-    cos = tl.cos(angle)[None, :]
-    sin = (tl.sin(angle) * sign)[None, :]
-    return tl.reshape(tl.join(even * cos - odd * sin, odd * cos + even * sin), [rows, DP])
+    return rotate_pairs(x, tl.cos(angle)[None, :], (tl.sin(angle) * sign)[None, :])
 
 
 @triton.jit
@@ -501,16 +497,14 @@ def _compress_kernel(
                 )
             else:  # ratio 1: the entry is the token's own kv, normed
                 pooled = tl.load(kv_ptr + i * W + c, mask=c_ok, other=0.0).to(tl.float32)
-            y = pooled * (1.0 / tl.sqrt(tl.sum(pooled * pooled, axis=0) / C + eps)) * weight
+            y = pooled * rms_factor(tl.sum(pooled * pooled, axis=0), C, eps) * weight
             if ROPE:
                 rotated = rotate_rows(y[None, :], (g * R).to(tl.float32), freq_ptr, C - 2 * P, P, 1.0, CP)
                 y = tl.reshape(rotated, [CP])
-            if QUANT:  # as quant.quantize_int8: per-row scale, halves rounded away from zero
-                scale = tl.max(tl.abs(y), axis=0) / 127
-                y = y / tl.maximum(scale, _TINY)
-                r = tl.minimum((tl.abs(y) + 0.5).to(tl.int32), 127)
-                y = tl.where(y < 0, -r, r)
-                tl.store(oscale_ptr + slot, scale)
+            if QUANT:  # as quant.quantize_int8: the entry is one row
+                codes, scale = quantize_rows(y[None, :])
+                y = tl.reshape(codes, [CP])
+                tl.store(oscale_ptr + slot, tl.max(scale, axis=0))  # the one row's scale
             tl.store(out_ptr + slot * C + c, y.to(out_ptr.dtype.element_ty), mask=c_ok)
 
 

@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from triton_kernels import runtime, tuning
-from triton_kernels.safe_access import take_rows
+from triton_kernels.shared import take_rows
 from triton_kernels.spec import TuneConfig, Variant
 
 _TABLE_DTYPES = (torch.float32, torch.bfloat16)

@@ -26,15 +26,16 @@ Contract
     ``candidates`` are block ids of ``block_size`` positions, ascending, ``-1`` padded at the end; the
     logits are scored only inside them (``-inf`` elsewhere) and the top-k taken there; a pick whose
     score is ``-inf`` is ``-1``. With candidates covering every visible block it equals ``indexer_topk``.
-    Limits: ``H <= MAX_HEADS``, ``D <= MAX_DIM`` (the tuned tiles hold a whole query), ``k`` and
-    ``topk_blocks <= topk.MAX_K``, candidate ``block_size`` a power of two ``<= topk.MAX_CANDIDATE_BLOCK``.
+    Limits (``limits``): ``H <= INDEXER_MAX_HEADS``, ``D <= INDEXER_MAX_DIM`` (the tuned tiles hold a whole
+    query), ``k`` and ``topk_blocks <= MAX_K``, candidate ``block_size`` a power of two
+    ``<= MAX_CANDIDATE_BLOCK``.
 
 Kernels
     ``_score_keys`` scores ``BLOCK_N`` keys gathered through the block table against one query on
     the cube unit (``[H, D] x [D, BLOCK_N]``, int32 for int8), then ReLU, weights and head sum on the
     vector unit. ``_indexer_logits_kernel``: one task is (token, ``BLOCK_N`` keys), so a long decode
     row still spreads over every core. ``_indexer_topk_kernel``: one task is a token; its logits go
-    to a per-program scratch row of HBM (``grid x width``, not ``T x width``), then ``topk._select_row``
+    to a per-program scratch row of HBM (``grid x width``, not ``T x width``), then ``shared.select_row``
     picks from it; ``MODE`` 1 also takes block maxima and picks the candidate blocks, ``MODE`` 2
     scores the slots of the candidate blocks only. A decode batch has fewer tokens than cores
     (``score_split``): its rows are scored by the logits kernel over every core, then selected by
@@ -50,12 +51,11 @@ import triton
 import triton.language as tl
 
 from triton_kernels import runtime, topk, tuning
-from triton_kernels.safe_access import gather_rows, take_rows
+from triton_kernels.limits import INDEXER_MAX_DIM, INDEXER_MAX_HEADS, MAX_K, check_candidate_geometry, check_k
+from triton_kernels.shared import block_maxima, gather_rows, select_row, take_rows
 from triton_kernels.spec import TuneConfig, Variant
-from triton_kernels.topk import candidate_blocks_ref, check_candidate_geometry, check_k, check_tensor
+from triton_kernels.topk import candidate_blocks_ref, check_tensor
 
-MAX_HEADS = 64
-MAX_DIM = 128
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16)
 _MAX_NUMEL = 2**31 - 1  # offsets are int32 inside the kernels
 _PLAIN, _SOURCE, _CONSUMER = 0, 1, 2
@@ -97,7 +97,7 @@ def indexer_logits(queries: IndexQueries, pool: KeyPool) -> torch.Tensor:
 
 def indexer_topk(queries: IndexQueries, pool: KeyPool, k: int) -> torch.Tensor:
     _validate(queries, pool)
-    check_k("k", k, topk.MAX_K)
+    check_k("k", k, MAX_K)
     run = indexer_topk_triton if runtime.use_triton(queries.q) else indexer_topk_ref
     return run(queries, pool, k)
 
@@ -106,7 +106,7 @@ def indexer_topk_and_candidates(
     queries: IndexQueries, pool: KeyPool, k: int, block_size: int, topk_blocks: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     _validate(queries, pool)
-    check_k("k", k, topk.MAX_K)
+    check_k("k", k, MAX_K)
     check_candidate_geometry(block_size, topk_blocks)
     use = runtime.use_triton(queries.q)
     run = indexer_topk_and_candidates_triton if use else indexer_topk_and_candidates_ref
@@ -117,7 +117,7 @@ def indexer_topk_in_candidates(
     queries: IndexQueries, pool: KeyPool, k: int, candidates: torch.Tensor, block_size: int
 ) -> torch.Tensor:
     _validate(queries, pool, candidates, block_size)
-    check_k("k", k, topk.MAX_K)
+    check_k("k", k, MAX_K)
     use = runtime.use_triton(queries.q)
     run = indexer_topk_in_candidates_triton if use else indexer_topk_in_candidates_ref
     return run(queries, pool, k, candidates, block_size)
@@ -129,10 +129,9 @@ def _validate(
     q, keys = queries.q, pool.keys
     if q.dtype not in (*_FLOAT_DTYPES, torch.int8):
         raise ValueError(f"q: dtype {q.dtype} not supported, expected int8 or one of {_FLOAT_DTYPES}")
-    if q.dim() != 3 or not 1 <= q.shape[1] <= MAX_HEADS or not 1 <= q.shape[2] <= MAX_DIM:
-        raise ValueError(
-            f"q: shape {tuple(q.shape)} must be [T, H, D], 1 <= H <= {MAX_HEADS}, 1 <= D <= {MAX_DIM}"
-        )
+    heads, dim = INDEXER_MAX_HEADS, INDEXER_MAX_DIM
+    if q.dim() != 3 or not 1 <= q.shape[1] <= heads or not 1 <= q.shape[2] <= dim:
+        raise ValueError(f"q: shape {tuple(q.shape)} must be [T, H, D], 1 <= H <= {heads}, 1 <= D <= {dim}")
     t, h, d = q.shape
     quant = q.dtype == torch.int8
     dtypes = (torch.int8,) if quant else _FLOAT_DTYPES
@@ -435,15 +434,15 @@ def _indexer_topk_kernel(
             tl.store(row + c, logits, mask=c < n)
         tl.debug_barrier()  # logits are written before any lane selects from them
         if MODE == 2:
-            topk._select_row(row, n, K, out_ptr + t * K, cand_ptr + t * n_cand, CAND_BLOCK, BLOCK_S)
+            select_row(row, n, K, out_ptr + t * K, cand_ptr + t * n_cand, CAND_BLOCK, BLOCK_S)
         else:
-            topk._select_row(row, n, K, out_ptr + t * K, row, 0, BLOCK_S)
+            select_row(row, n, K, out_ptr + t * K, row, 0, BLOCK_S)
         if MODE == 1:
             blocks = row + width
-            topk._block_maxima(row, visible, blocks, CAND_BLOCK, BLOCK_S)
+            block_maxima(row, visible, blocks, CAND_BLOCK, BLOCK_S)
             tl.debug_barrier()
             n_blocks = tl.cdiv(visible, CAND_BLOCK)
-            topk._select_row(blocks, n_blocks, KB, blocks_out_ptr + t * KB, blocks, 0, BLOCK_S)
+            select_row(blocks, n_blocks, KB, blocks_out_ptr + t * KB, blocks, 0, BLOCK_S)
 
 
 def _operands(queries: IndexQueries, pool: KeyPool) -> tuple[torch.Tensor, ...]:
@@ -580,7 +579,7 @@ def indexer_topk_in_candidates_triton(
 # transpose (dot operands: int8 as loaded, fp32 after the cast of the float path) with the key mask,
 # then the [HP, BLOCK_N] dot result with its ReLU'd and weighted copies and a few [BLOCK_N] vectors.
 # The top-k kernel adds the selection tiles and, for the candidate source, the block-maximum tiles.
-_HP, _DP = MAX_HEADS, MAX_DIM
+_HP, _DP = INDEXER_MAX_HEADS, INDEXER_MAX_DIM
 
 
 def _score_ub(block_n: int, operand_bytes: int) -> int:

@@ -39,7 +39,7 @@ import triton.language as tl
 
 from triton_kernels import runtime, tuning
 from triton_kernels.rmsnorm import rms_norm_ref
-from triton_kernels.safe_access import gather_rows
+from triton_kernels.shared import gather_rows, rms_factor
 from triton_kernels.spec import TuneConfig, Variant
 
 _DTYPES = (torch.float32, torch.bfloat16)
@@ -253,7 +253,7 @@ def _hc_mix_kernel(
             sq += xv * xv
             # ieee: the tf32 default on GPUs would cost ~1e-3 relative error in the mixes.
             acc = tl.dot(xv, tl.trans(w), acc, input_precision="ieee")
-        rstd = 1.0 / tl.sqrt(tl.sum(sq, axis=1) / K + norm_eps)
+        rstd = rms_factor(tl.sum(sq, axis=1), K, norm_eps)
         z = tl.reshape(acc * rstd[:, None] * scale[None, :] + base[None, :], [BLOCK_T, R_PAD, NP])
         gate = 1.0 / (1.0 + tl.exp(-z))
         out_ok = tok_ok[:, None] & (jj[None, :] < n)

@@ -20,12 +20,12 @@ import triton
 import triton.language as tl
 
 from triton_kernels import runtime, tuning
+from triton_kernels.shared import TINY, quantize_rows
 from triton_kernels.spec import TuneConfig, Variant
 
 MAX_DIM = 1024
 _DTYPES = (torch.float32, torch.bfloat16)
 _MAX_NUMEL = 2**31 - 1  # offsets are int32 inside the kernel
-_TINY = tl.constexpr(1e-30)  # divides an all-zero row without producing NaN (its quotient is 0 anyway)
 
 
 def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,7 +41,7 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def quantize_int8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     xf = x.float()
     scale = xf.abs().amax(dim=-1) / 127
-    y = xf / scale.clamp_min(_TINY.value)[..., None]
+    y = xf / scale.clamp_min(TINY.value)[..., None]
     q = torch.sign(y) * torch.floor(y.abs() + 0.5)
     return q.clamp(-127, 127).to(torch.int8), scale
 
@@ -58,11 +58,7 @@ def _quantize_int8_kernel(x_ptr, q_ptr, s_ptr, M, D, BLOCK_D: tl.constexpr, BLOC
         rows = task * ROWS + tl.arange(0, ROWS)
         mask = (rows[:, None] < M) & (cols[None, :] < D)
         x = tl.load(x_ptr + rows[:, None] * D + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        scale = tl.max(tl.abs(x), axis=1) / 127
-        y = x / tl.maximum(scale, _TINY)[:, None]
-        # fp32 -> int32 truncates toward zero: adding 0.5 to |y| rounds halves away from zero.
-        r = tl.minimum((tl.abs(y) + 0.5).to(tl.int32), 127)
-        q = tl.where(y < 0, -r, r)
+        q, scale = quantize_rows(x)
         tl.store(q_ptr + rows[:, None] * D + cols[None, :], q.to(tl.int8), mask=mask)
         tl.store(s_ptr + rows, scale, mask=rows < M)
 

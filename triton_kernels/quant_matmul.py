@@ -124,7 +124,9 @@ def mxfp4_weight(data: torch.Tensor, scale: torch.Tensor) -> QuantWeight:
     if tuple(scale.shape[-2:]) != expected:
         raise ValueError(f"mxfp4 scale: shape {tuple(scale.shape)} must end in {expected} (N={n}, K={k})")
     data = _bytes("mxfp4 data", data, (torch.uint8, torch.int8))
-    return QuantWeight(MXFP4, data, _bytes("mxfp4 scale", scale, (torch.uint8, torch.float8_e8m0fnu)), 32, k)
+    return QuantWeight(
+        MXFP4, data, _bytes("mxfp4 scale", scale, (torch.uint8, torch.float8_e8m0fnu)), MXFP4_GROUP, k
+    )
 
 
 def _channel_weight(fmt: str, data: torch.Tensor, scale: torch.Tensor, rows_per_byte: int) -> QuantWeight:

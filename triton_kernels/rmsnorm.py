@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from triton_kernels import runtime, tuning
+from triton_kernels.shared import rms_factor
 from triton_kernels.spec import TuneConfig, Variant
 
 _DTYPES = (torch.float32, torch.bfloat16)
@@ -82,7 +83,7 @@ def _rms_norm_kernel(
             mask = row_ok[:, None] & (cols[None, :] < N)
             xv = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             sq += xv * xv
-        rstd = 1.0 / tl.sqrt(tl.sum(sq, axis=1) / N + eps)
+        rstd = rms_factor(tl.sum(sq, axis=1), N, eps)
         for n0 in range(0, N, BLOCK_N):
             cols = n0 + tl.arange(0, BLOCK_N)
             mask = row_ok[:, None] & (cols[None, :] < N)

@@ -23,7 +23,7 @@ Kernel
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import triton
@@ -31,6 +31,7 @@ import triton.language as tl
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from triton_kernels import runtime, tuning
+from triton_kernels.shared import rotate_pairs
 from triton_kernels.spec import TuneConfig, Variant
 
 _DTYPES = (torch.float32, torch.bfloat16)
@@ -38,29 +39,16 @@ _POS_DTYPES = (torch.int32, torch.int64)
 _MAX_NUMEL = 2**31 - 1  # offsets are int32 inside the kernel
 
 
-@dataclass(frozen=True)
-class Yarn:
-    """YaRN frequency interpolation (``rope_scaling`` of the compressed-attention layers)."""
+class YarnScaling(Protocol):
+    """What ``rope_inv_freq`` reads of a YaRN ``rope_scaling`` (the config's ``Yarn``)."""
 
     factor: float
     original_max_position_embeddings: int
     beta_fast: float
     beta_slow: float
 
-    def __post_init__(self) -> None:
-        if not self.factor > 0:
-            raise ValueError(f"factor: {self.factor} must be > 0")
-        if self.original_max_position_embeddings < 1:
-            raise ValueError(
-                f"original_max_position_embeddings: {self.original_max_position_embeddings} must be >= 1"
-            )
-        if not self.beta_fast > self.beta_slow > 0:
-            raise ValueError(
-                f"beta_fast, beta_slow: {self.beta_fast}, {self.beta_slow} need beta_fast > beta_slow > 0"
-            )
 
-
-def rope_inv_freq(rope_dim: int, theta: float, yarn: Yarn | None = None) -> torch.Tensor:
+def rope_inv_freq(rope_dim: int, theta: float, yarn: YarnScaling | None = None) -> torch.Tensor:
     if rope_dim < 2 or rope_dim % 2:
         raise ValueError(f"rope_dim: {rope_dim} must be even and >= 2")
     if not theta > 1:
@@ -195,8 +183,7 @@ def _rope_kernel(
         cols = nope + tl.arange(0, 2 * HALF)
         mask = row_ok[:, None] & (cols[None, :] < D)
         x = tl.load(src + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        xe, xo = tl.split(tl.reshape(x, [BLOCK_R, HALF, 2]))
-        y = tl.reshape(tl.join(xe * cos - xo * sin, xo * cos + xe * sin), [BLOCK_R, 2 * HALF])
+        y = rotate_pairs(x, cos, sin)
         tl.store(dst + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
 
 

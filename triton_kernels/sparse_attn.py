@@ -60,7 +60,7 @@ import triton.language as tl
 from triton_kernels import runtime, tuning
 from triton_kernels.quant import dequantize_int8
 from triton_kernels.rope import apply_rope_ref, rotate_rope_channels_triton
-from triton_kernels.safe_access import gather_rows, take_rows
+from triton_kernels.shared import gather_rows, take_rows
 from triton_kernels.spec import TuneConfig, Variant
 
 MAX_HEADS = 128
@@ -598,7 +598,7 @@ _ATTN_VARIANTS = tuple(
 _prefill_tuned = tuning.TunedKernel(
     _sparse_attn_kernel, _PREFILL_CONFIGS, ["H", "D"], "prefill", variants=_ATTN_VARIANTS, uses_cube=True
 )
-# Decode batches come in the fixed sizes the engine captures graphs for: tuned per batch size.
+# Decode is tuned per batch size too (T in the key): the best split of a decode batch depends on its size.
 _decode_tuned = tuning.TunedKernel(
     _sparse_attn_kernel, _DECODE_CONFIGS, ["T", "H", "D"], "decode", variants=_ATTN_VARIANTS, uses_cube=True
 )

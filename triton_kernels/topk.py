@@ -15,7 +15,7 @@ Contract
     kept block ids ascending, ``-1`` padded; a block scoring ``-inf`` is never kept.
 
 Kernels
-    ``_select_row`` (shared with the fused indexer) selects in one program per row, without a sort of
+    ``shared.select_row`` (the fused indexer's too) selects in one program per row, without a sort of
     the row and on the vector unit: no histogram, no prefix sum and no ordered integer compare beyond
     the range masks of its loads and stores (those run on Ascend's scalar unit). Scores map to
     order-preserving int32 keys; a threshold search fixes ``BITS`` key bits a pass, counting with fp32
@@ -24,7 +24,7 @@ Kernels
     and the first ties (a partial tile's tie lanes fp32-sorted to find the cut), so the output is
     sorted without sorting: a picking tile's lane ids are fp32-sorted and stored densely.
     ``_topk_kernel``: one task is a row. ``_candidate_kernel``: one task is a row; block maxima go to
-    a per-program scratch row, then ``_select_row`` picks the blocks.
+    a per-program scratch row, then ``select_row`` picks the blocks.
 """
 
 from __future__ import annotations
@@ -34,14 +34,11 @@ import triton
 import triton.language as tl
 
 from triton_kernels import runtime, tuning
+from triton_kernels.limits import MAX_K, check_candidate_geometry, check_k
+from triton_kernels.shared import FAN, block_maxima, select_row
 from triton_kernels.spec import TuneConfig, Variant
 
-MAX_K = 2048
-MAX_CANDIDATE_BLOCK = 256  # positions per candidate block: one block-maximum tile holds whole blocks
 _MAX_NUMEL = 2**31 - 1  # offsets are int32 inside the kernels
-_BITS = 2  # key bits a threshold pass fixes: FAN candidates counted at once, a [BLOCK_S, FAN] compare
-_FAN = 1 << _BITS
-BITS, FAN = tl.constexpr(_BITS), tl.constexpr(_FAN)
 
 
 def topk_positions(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -71,11 +68,6 @@ def _check_scores(scores: torch.Tensor) -> None:
         raise ValueError(f"scores: {scores.numel()} elements exceeds the limit {_MAX_NUMEL}")
 
 
-def check_k(name: str, k: int, limit: int) -> None:
-    if not 0 <= k <= limit:
-        raise ValueError(f"{name}: {k} must be in [0, {limit}]")
-
-
 def check_tensor(
     name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...], device: torch.device
 ) -> None:
@@ -83,14 +75,6 @@ def check_tensor(
         raise ValueError(
             f"{name}: {t.dtype} {tuple(t.shape)} on {t.device} must be {dtype} {tuple(shape)} on {device}"
         )
-
-
-def check_candidate_geometry(block_size: int, topk_blocks: int) -> None:
-    if block_size < 1 or block_size > MAX_CANDIDATE_BLOCK or block_size & (block_size - 1):
-        raise ValueError(
-            f"candidate block_size: {block_size} must be a power of two in [1, {MAX_CANDIDATE_BLOCK}]"
-        )
-    check_k("topk_blocks", topk_blocks, MAX_K)
 
 
 def topk_positions_ref(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -138,111 +122,10 @@ def candidate_blocks_ref(
     return topk_positions_ref(block_scores_ref(scores, visible, block_size), topk_blocks)
 
 
-@triton.jit
-def _from_order_key(key):
-    """The fp32 scores whose int32 order keys (ordered like the scores: negative floats have their
-    magnitude bits flipped, a flip that is its own inverse) are ``key``; keys below the lowest finite
-    score's (NaN patterns) are raised to it."""
-    key = tl.maximum(key, -2139095040)  # the key of -FLT_MAX
-    bits = key ^ ((key >> 31) & 0x7FFFFFFF)
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _row_tile(src, i0, n, BLOCK_S: tl.constexpr):
-    """``src[i0 : i0 + BLOCK_S]``, ``-inf`` from ``n`` on (a range mask: Ascend keeps it on the copy)."""
-    offs = tl.arange(0, BLOCK_S)
-    return tl.load(src + i0 + offs, mask=offs < n - i0, other=float("-inf"))
-
-
-@triton.jit
-def _count_at_least(src, n, thr, BLOCK_S: tl.constexpr):
-    """``[FAN]``: how many of ``src[0:n]`` are ``>= thr[j]``, with fp32 compares and sums."""
-    count = tl.zeros([FAN], dtype=tl.int32)
-    for i0 in range(0, n, BLOCK_S):
-        x = _row_tile(src, i0, n, BLOCK_S)
-        count += tl.sum((x[:, None] >= thr[None, :]).to(tl.int32), axis=0)
-    return count
-
-
-@triton.jit
-def _select_row(src, n, k, out, pos_map, MAP_BLOCK: tl.constexpr, BLOCK_S: tl.constexpr):
-    """Top-k of ``src[0:n]`` into ``out[0:k]`` (see the module contract).
-
-    Element ``i`` is reported as position ``i``, or with ``MAP_BLOCK > 0`` as
-    ``pos_map[i // MAP_BLOCK] * MAP_BLOCK + i % MAP_BLOCK`` (slots of candidate blocks).
-    """
-    offs = tl.arange(0, BLOCK_S)
-    lane = offs.to(tl.float32)
-    fan = tl.arange(0, FAN)
-    # Threshold search over the order keys, BITS bits a pass: the largest key whose score n_sel scores
-    # reach is the n_sel-th largest score. The first pass's lowest candidate counts the live scores; a
-    # pass stops the search at a key that exactly n_sel scores reach (all of them are taken, ties too).
-    key = -2147483648
-    n_sel = 0
-    exact = n_sel != 0  # False, as the i1 tensor the loop reassigns
-    for p in range(32 // BITS):
-        if exact == 0:
-            cand = key + (fan << (32 - BITS * (p + 1)))  # wraps like the unsigned keys it stands for
-            counts = _count_at_least(src, n, _from_order_key(cand), BLOCK_S)
-            n_sel = tl.where(p == 0, tl.minimum(k, tl.sum(tl.where(fan == 0, counts, 0))), n_sel)
-            pick = tl.sum((counts.to(tl.float32) >= n_sel.to(tl.float32)).to(tl.int32)) - 1
-            key = tl.sum(tl.where(fan == pick, cand, 0))
-            exact = tl.sum(tl.where(fan == pick, counts, 0)) == n_sel
-    thr = _from_order_key(key)
-    # Short of an exact key: the scores above the n_sel-th and the first ties (the lower position wins).
-    above = _count_at_least(src, n, _from_order_key(key + 1 + fan * 0), BLOCK_S)
-    need = tl.where(exact, 0, n_sel - tl.sum(tl.where(fan == 0, above, 0)))
-    taken = 0
-    for i0 in range(0, n, BLOCK_S):
-        x = _row_tile(src, i0, n, BLOCK_S)
-        tie = (x == thr) & (exact == 0)
-        n_tie = tl.sum(tie.to(tl.int32))
-        cutoff = BLOCK_S - 1.0  # lane of the last tie taken here
-        if n_tie > need:
-            tie_lanes = tl.sort(tl.where(tie, lane, BLOCK_S))
-            cutoff = tl.max(tl.where(lane < need.to(tl.float32), tie_lanes, -1.0))
-        # An exact key counts no ties, so the cut stays past the tile and every score equal to it is taken.
-        sel = ((x > thr) | ((x == thr) & (lane <= cutoff))) & (n_sel > 0)
-        need -= tl.minimum(n_tie, need)
-        picked = tl.sum(sel.to(tl.int32))
-        # Most tiles of a long row pick nothing. A picking tile stores densely: slot taken + q gets the q-th
-        # selected lane (an fp32 sort of the lane ids puts them first). A scattered masked store would
-        # become a read-modify-write of every lane on Ascend, racing with the lanes that share its slot.
-        if picked > 0:
-            q_ok = offs < picked
-            first = tl.sort(tl.where(sel, lane, BLOCK_S)).to(tl.int32)
-            chosen = i0 + tl.where(q_ok, first, 0)  # a live position for every lane
-            if MAP_BLOCK > 0:
-                block = tl.load(pos_map + chosen // MAP_BLOCK, mask=q_ok, other=0)  # in-bounds: chosen < n
-                pos = block * MAP_BLOCK + chosen % MAP_BLOCK
-            else:
-                pos = chosen
-            tl.store(out + taken + offs, pos, mask=q_ok)
-        taken += picked
-    for j0 in range(0, k, BLOCK_S):
-        j = j0 + offs
-        tl.store(out + j, tl.full([BLOCK_S], -1, tl.int32), mask=(j >= n_sel) & (j < k))
-
-
-@triton.jit
-def _block_maxima(row, visible, dst, CAND_BLOCK: tl.constexpr, BLOCK_S: tl.constexpr):
-    """``dst[b]`` = max of ``row`` over the visible positions of block ``b``; the newest block ``+inf``."""
-    BLOCKS: tl.constexpr = BLOCK_S // CAND_BLOCK
-    n_blocks = tl.cdiv(visible, CAND_BLOCK)
-    for b0 in range(0, n_blocks, BLOCKS):
-        b = b0 + tl.arange(0, BLOCKS)
-        # One 1-D load per tile: a [BLOCKS, CAND_BLOCK] mask `p < visible` is no rectangle for Ascend.
-        p = b0 * CAND_BLOCK + tl.arange(0, BLOCK_S)
-        tile = tl.reshape(tl.load(row + p, mask=p < visible, other=float("-inf")), [BLOCKS, CAND_BLOCK])
-        m = tl.max(tile, axis=1)
-        tl.store(dst + b, tl.where(b == n_blocks - 1, float("inf"), m), mask=b < n_blocks)
-
-
 @triton.jit(do_not_specialize=["T"])
 def _topk_kernel(s_ptr, out_ptr, T, N, stride_s, K, BLOCK_S: tl.constexpr):
     for t in range(tl.program_id(0), T, tl.num_programs(0)):
-        _select_row(s_ptr + t * stride_s, N, K, out_ptr + t * K, s_ptr, 0, BLOCK_S)
+        select_row(s_ptr + t * stride_s, N, K, out_ptr + t * K, s_ptr, 0, BLOCK_S)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -263,9 +146,9 @@ def _candidate_kernel(
     for t in range(pid, T, tl.num_programs(0)):
         visible = tl.load(vis_ptr + t)
         tl.debug_barrier()  # the previous row's selection has read the scratch row
-        _block_maxima(s_ptr + t * stride_s, visible, blocks, CAND_BLOCK, BLOCK_S)
+        block_maxima(s_ptr + t * stride_s, visible, blocks, CAND_BLOCK, BLOCK_S)
         tl.debug_barrier()  # block maxima are written before any lane reads them
-        _select_row(blocks, tl.cdiv(visible, CAND_BLOCK), KB, out_ptr + t * KB, blocks, 0, BLOCK_S)
+        select_row(blocks, tl.cdiv(visible, CAND_BLOCK), KB, out_ptr + t * KB, blocks, 0, BLOCK_S)
 
 
 def topk_positions_triton(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -296,7 +179,7 @@ def candidate_blocks_triton(
 def select_ub(block_s: int) -> int:
     # Per selection tile: the loaded scores, lane ids, masks, the two lane sorts with their temporaries,
     # positions (about fourteen [BLOCK_S] 4-byte tiles), plus a threshold pass's [BLOCK_S, FAN] compares.
-    return 4 * (14 + _FAN) * block_s
+    return 4 * (14 + FAN.value) * block_s
 
 
 _CONFIGS = tuple(TuneConfig({"BLOCK_S": bs}, select_ub(bs)) for bs in (512, 1024))

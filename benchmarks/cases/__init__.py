@@ -13,8 +13,9 @@ from benchmarks.cases.engram import engram_cases
 from benchmarks.cases.indexer import indexer_cases, quant_cases, topk_cases
 from benchmarks.cases.layers import mhc_cases, rmsnorm_cases, rope_cases
 from benchmarks.cases.quant_gemm import moe_gemm_cases, quant_matmul_cases
+from triton_kernels import ops
 
-OPS: dict[str, Builder] = {
+_BUILDERS: dict[str, Builder] = {
     "rmsnorm": rmsnorm_cases,
     "rope": rope_cases,
     "mhc": mhc_cases,
@@ -27,6 +28,7 @@ OPS: dict[str, Builder] = {
     "quant_matmul": quant_matmul_cases,
     "moe_gemm": moe_gemm_cases,
 }
+OPS: dict[str, Builder] = {op: _BUILDERS[op] for op in ops.OPS}  # in the registry's order; every op has cases
 
 __all__ = ["OPS", "Builder", "Case", "select"]
 

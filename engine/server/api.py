@@ -23,7 +23,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
 from engine.grammar import GrammarError, Grammars, LogitBias, ThinkingBudget, chain
-from engine.llm_engine import LLMEngine
+from engine.interface import Engine
 from engine.request import InvalidRequest, LogitsProcessor, SamplingParams
 from engine.server.async_engine import AsyncEngine, Group, Unavailable, Update
 from engine.server.metrics import Metrics
@@ -84,7 +84,7 @@ class OpenAIServer:
 
     def __init__(
         self,
-        engine: LLMEngine,
+        engine: Engine,
         names: list[str],
         api_keys: list[str] | None = None,
         root: str = "",
@@ -101,7 +101,7 @@ class OpenAIServer:
         self.tokenizer = engine.tokenizer
         self.cfg = engine.model.cfg
         self.chat = chat or select_chat_profile(self.cfg.model_type, root or None)  # the chat encoding
-        self.metrics = Metrics(names[0], engine.config.max_model_len, engine.proposer is not None)
+        self.metrics = Metrics(names[0], engine.config.max_model_len, engine.stats().spec_decode is not None)
         self.core = AsyncEngine(engine, self.metrics, max_waiting)
         self.workers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="request")
         self.grammars = Grammars(self.tokenizer, self.cfg.vocab_size, self.cfg.eos_token_id)

@@ -78,7 +78,7 @@ async def log_stats(server: OpenAIServer, every: float = 10.0) -> None:
         log.info(
             "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
             "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%",
-            prompt, generated, running, waiting, 100 * server.engine.cache.usage_ratio(),
+            prompt, generated, running, waiting, 100 * server.engine.stats().kv_usage,
             100 * metrics.prefix_hit_rate(),
         )  # fmt: skip
 

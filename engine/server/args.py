@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from engine.config import SPECULATIVE_ALIASES, EngineConfig
+from engine.config import EngineConfig, read_speculative_config
 from engine.server.flag_values import int_in, parse_count, parse_count_or_auto, parse_size, port, seconds
 from model.chat_profile import PROFILES
 
@@ -301,27 +301,13 @@ def _merge_speculative(args: argparse.Namespace) -> None:
     """--speculative-config (vLLM's form) folded into --speculative-method / --num-speculative-tokens."""
     config: Any = args.speculative_config
     if config is not None:
-        if not isinstance(config, dict):
-            raise ValueError(f"--speculative-config must be a JSON object, not {config!r}")
-        unknown = sorted(set(config) - {"method", "num_speculative_tokens"})
-        if unknown:
-            raise ValueError(
-                f"--speculative-config: {', '.join(unknown)} not supported (method, num_speculative_tokens)"
-            )
-        method = SPECULATIVE_ALIASES.get(config.get("method"))
-        if method is None:
-            raise ValueError(
-                f"--speculative-config method={config.get('method')!r}: one of {sorted(SPECULATIVE_ALIASES)}"
-            )
-        for name, value in (
-            ("method", method),
-            ("num_speculative_tokens", config.get("num_speculative_tokens")),
-        ):
+        method, tokens = read_speculative_config(config, "--speculative-config")
+        for name, value in (("method", method), ("num_speculative_tokens", tokens)):
             given = getattr(args, "speculative_method" if name == "method" else name)
             if value is not None and given is not None and given != value:
                 raise ValueError(f"--speculative-config {name}={value!r} disagrees with the flag ({given!r})")
         args.speculative_method = method
-        args.num_speculative_tokens = args.num_speculative_tokens or config.get("num_speculative_tokens")
+        args.num_speculative_tokens = args.num_speculative_tokens or tokens
     if args.num_speculative_tokens is not None and args.speculative_method is None:
         raise ValueError(
             "--num-speculative-tokens needs a method: --speculative-method or --speculative-config"

@@ -1,4 +1,4 @@
-"""The engine behind the server: one thread owns the LLMEngine and steps it; requests are async streams.
+"""The engine behind the server: one thread owns the ``Engine`` and steps it; requests are async streams.
 
 The engine is not thread-safe and a step blocks for as long as the model runs. A dedicated thread (unlike
 an executor call per step) keeps every engine call, add and abort included, on one thread with no lock, and
@@ -22,7 +22,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from engine.llm_engine import LLMEngine
+from engine.interface import Engine
 from engine.request import FinishReason, LogitsProcessor, Request, SamplingParams
 from engine.server.metrics import Metrics
 
@@ -53,6 +53,7 @@ class Update:
 
 @dataclass
 class _Sequence:
+    request: Request
     index: int
     sink: Callable[[Update], None]
     arrival: float
@@ -74,7 +75,7 @@ _Command = tuple[Callable[[], object], Future]
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, metrics: Metrics, max_waiting: int = 256):
+    def __init__(self, engine: Engine, metrics: Metrics, max_waiting: int = 256):
         if max_waiting < 0:
             raise ValueError(f"max_waiting={max_waiting} must be >= 0")
         self.engine, self.metrics = engine, metrics
@@ -89,11 +90,11 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         # Read when scraped, so the gauges move as soon as requests are admitted or scheduled, also
         # while a long step runs.
-        scheduler, cache = engine.scheduler, engine.cache
-        metrics.running.set_function(lambda: len(scheduler.running))
-        metrics.waiting.set_function(lambda: max(0, self._admitted - len(scheduler.running)))
-        metrics.kv_usage.set_function(cache.usage_ratio)
-        metrics.describe_cache(cache.block_size, cache.num_blocks, cache.prefix is not None)
+        metrics.running.set_function(lambda: engine.stats().running)
+        metrics.waiting.set_function(lambda: max(0, self._admitted - engine.stats().running))
+        metrics.kv_usage.set_function(lambda: engine.stats().kv_usage)
+        config = engine.config
+        metrics.describe_cache(config.block_size, engine.stats().kv_blocks, config.prefix_caching)
 
     def start(self) -> None:
         self._thread.start()
@@ -128,17 +129,15 @@ class AsyncEngine:
             added: list[Request] = []
             try:
                 for rid, (prompt, params, processor) in zip(group.ids, seqs, strict=True):
-                    request = self.engine.add_request(prompt, params, rid)
-                    request.logits_processor = processor
-                    added.append(request)
+                    added.append(self.engine.add_request(prompt, params, rid, processor))
             except Exception:
                 for request in added:
-                    self._drop(request.id)
+                    self._drop(request)
                 raise
             now = time.monotonic()
             self.metrics.params_n.observe(len(added))
             for i, request in enumerate(added):
-                self._live[request.id] = _Sequence(i, sink, now)
+                self._live[request.id] = _Sequence(request, i, sink, now)
                 self.metrics.prompt_tokens.inc(len(request.prompt))
                 self.metrics.request_prompt_tokens.observe(len(request.prompt))
                 self.metrics.params_max_tokens.observe(request.params.max_tokens)
@@ -158,9 +157,9 @@ class AsyncEngine:
 
         def abort_all() -> None:
             for rid in group.ids:
-                if self._live.pop(rid, None) is not None:
+                if (sequence := self._live.pop(rid, None)) is not None:
                     self._release(1)
-                    self._drop(rid)
+                    self._drop(sequence.request)
                     self.metrics.finished("abort")
 
         self._call(abort_all)
@@ -202,12 +201,10 @@ class AsyncEngine:
                 self._commands.put((fn, future))
         return future
 
-    def _drop(self, rid: str) -> None:
-        request = self.engine.requests.get(rid)
-        if request is not None:
-            if not request.finished:
-                self.engine.abort(rid)
-            self.engine.completion(request)  # forgets the request and its detokenizer
+    def _drop(self, request: Request) -> None:
+        if not request.finished:
+            self.engine.abort(request.id)
+        self.engine.completion(request)  # forgets the request and its detokenizer
 
     def _run(self) -> None:
         try:
@@ -236,8 +233,8 @@ class AsyncEngine:
             return
         for request in self.engine.step():
             self._publish(request)
-        if self.engine.step_tokens:
-            self.metrics.iteration_tokens.observe(self.engine.step_tokens)
+        if step_tokens := self.engine.stats().step_tokens:
+            self.metrics.iteration_tokens.observe(step_tokens)
         self._observe()
 
     @staticmethod
@@ -272,7 +269,7 @@ class AsyncEngine:
         self.metrics.generation_tokens.inc(len(tokens))
         sequence.sent = len(request.output)
         if not request.finished:
-            text = self.engine.detokenizers[request.id].text
+            text = self.engine.streamed_text(request)
             sequence.sink(Update(sequence.index, tokens, logprobs, text))
             return
         del self._live[request.id]
@@ -304,7 +301,7 @@ class AsyncEngine:
         for rid, sequence in list(self._live.items()):
             del self._live[rid]
             self._release(1)
-            self._drop(rid)
+            self._drop(sequence.request)
             self.metrics.finished("error")
             sequence.sink(Update(sequence.index, [], [], "", "error", message, status))
 
@@ -323,6 +320,7 @@ class AsyncEngine:
             sequence.sink(Update(sequence.index, [], [], "", "error", "the engine stopped", 503))
 
     def _observe(self) -> None:
-        scheduler = self.engine.scheduler
-        self.metrics.observe_engine(scheduler.preemptions, scheduler.prefix_queries, scheduler.prefix_hits)
-        self.metrics.observe_spec_decode(self.engine.spec_stats)
+        stats = self.engine.stats()
+        self.metrics.observe_engine(stats.preemptions, stats.prefix_queries, stats.prefix_hits)
+        if stats.spec_decode is not None:
+            self.metrics.observe_spec_decode(stats.spec_decode)

@@ -4,7 +4,6 @@ encoding and the sampling defaults, the start-up lines, then uvicorn until a sig
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import os
@@ -17,22 +16,18 @@ from pathlib import Path
 import torch
 import uvicorn
 
-from engine.data_parallel import DataParallelEngine, build_engine
-from engine.llm_engine import EngineConfig, LLMEngine
-from engine.memory_plan import MemoryPlan, plan_memory
-from engine.rank_group import Rendezvous
+from engine.config import EngineConfig
+from engine.factory import Started, default_model, start_engine
+from engine.parallel.group import Rendezvous
+from engine.parallel.processes import serve_node
 from engine.server.api import MAX_REQUEST_BYTES, OpenAIServer
 from engine.server.app import build_app
 from engine.server.args import engine_config, non_default
 from engine.server.protocol import GENERATION_FIELDS
 from engine.server.shutdown import FLUSH_TIMEOUT, GracefulServer
-from engine.workers import Workers, load_ranks, serve_node
 from model.chat_profile import select_chat_profile
-from model.checkpoint import loader_quantization, placement
+from model.checkpoint import placement
 from model.config import ModelConfig
-from model.parallel import ParallelContext
-from model.tiny import cached_tiny
-from model.tokenizer import load_tokenizer
 from triton_kernels import runtime
 
 log = logging.getLogger(__name__)
@@ -70,26 +65,16 @@ def generation_defaults(args: argparse.Namespace, path: Path) -> dict[str, float
     return {k: raw[k] for k in GENERATION_FIELDS if isinstance(raw.get(k), int | float)}
 
 
-def start_engine(
-    args: argparse.Namespace, path: Path
-) -> tuple[LLMEngine | DataParallelEngine, MemoryPlan, Workers | None]:
+def start(args: argparse.Namespace, path: Path) -> Started:
     cfg = ModelConfig.from_file(path)
     if args.max_model_len is not None and args.max_model_len > cfg.max_position_embeddings:
         raise ValueError(
             f"--max-model-len={args.max_model_len} exceeds the model's max_position_embeddings="
             f"{cfg.max_position_embeddings}"
         )
-    device, dtype = placement(args.device, args.dtype)
-    quantization = loader_quantization(path, args.quantization)
     config = engine_config(args)
-    # Before any weight loads; the weights are one rank's share (rank 0's: every rank's is as large).
-    world, data_parallel = config.world_size, config.data_parallel_size > 1
-    rank0 = ParallelContext(0, world, data_parallel=data_parallel) if world > 1 else None
-    plan = plan_memory(path, dtype, quantization, parallel=rank0, **memory_budget(args, config))
-    log.info(plan.line())
-    config = dataclasses.replace(config, kv_cache_memory=plan.kv_bytes, max_model_len=plan.max_model_len)
-    model, workers = load_ranks(path, dtype, device, config, quantization, rendezvous(args))
-    return build_engine(model, load_tokenizer(path), config, workers), plan, workers
+    return start_engine(path, config, args.device, args.dtype, args.quantization, rendezvous(args),
+                        memory_budget(args, config))  # fmt: skip
 
 
 def rendezvous(args: argparse.Namespace) -> Rendezvous:
@@ -109,12 +94,13 @@ def serve(args: argparse.Namespace, sock: socket.socket) -> None:
     # The engine thread's Python work (scheduling, sampling) holds the GIL between torch calls; handing
     # it over every 1 ms instead of 5 keeps the event loop, and so /health and the streams, responsive.
     sys.setswitchinterval(0.001)
-    path = Path(args.model) if args.model else cached_tiny("v41")
+    path = Path(args.model) if args.model else default_model()
     try:
         # Said plainly, not as a file's JSON error: vLLM's hub names (org/model) are not downloaded here.
         if not path.is_dir():
             raise ValueError(f"--model {path}: no such checkpoint folder")
-        engine, plan, workers = start_engine(args, path)
+        started = start(args, path)
+        engine, plan, workers = started.engine, started.memory, started.workers
         chat = select_chat_profile(engine.model.cfg.model_type, path, args.chat_encoding)
         names = args.served_model_name or [
             "deepseek-v4.1-tiny" if args.model is None else path.resolve().name
@@ -132,7 +118,7 @@ def serve(args: argparse.Namespace, sock: socket.socket) -> None:
     kernels = f"{len(tuned)} tuned files in {tuned[0].parent}" if tuned else "heuristic defaults (none tuned)"
     announce = "\n".join([
         f"deepseek-ascend {version('deepseek-ascend')}; non-default flags: {non_default(args) or 'none'}",
-        f"Model on {engine.runner.device} in {engine.model.embed.weight.dtype}",
+        f"Model on {engine.model.embed.weight.device} in {engine.model.embed.weight.dtype}",
         plan.line(),
         f"Chat encoding: {chat.name}" + (" (--chat-encoding)" if args.chat_encoding else ""),
         f"Kernel configs for {runtime.sku()}: {kernels}",

@@ -8,17 +8,14 @@ proposer, shown the committed tokens of the step, drafts again.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
+from engine.config import EngineConfig
 from engine.sampler import Sampler
 from engine.spec_decode.dspark import DSparkProposer
 from engine.spec_decode.mtp import MtpProposer
 from engine.spec_decode.proposer import Proposer
 from model.cache import KVPools
 from model.causal_lm import CausalLM
-
-if TYPE_CHECKING:
-    from engine.llm_engine import EngineConfig
 
 
 def build_proposer(
@@ -38,8 +35,8 @@ def build_proposer(
         return given, k
     if method is not None:
         _check_draft_head(method, model)
-    if method == "mtp":
-        return MtpProposer(model, pools, sampler, k or 1, share), k or 1
+    if method == "mtp":  # its drafts, chained one a position past the chunk: the config's lookahead
+        return MtpProposer(model, pools, sampler, config.lookahead, share), config.lookahead
     if method == "dspark":
         k = k or model.cfg.dspark.block_size
         return DSparkProposer(model, sampler, k, config.dspark_min_confidence), k

@@ -17,7 +17,7 @@ from engine.sampler import Sampler
 from engine.spec_decode.proposer import Observation, Proposer
 from model.causal_lm import CausalLM
 from model.dspark import Draft, DSpark, DSparkState
-from model.parallel import idle_step
+from model.parallel.modules import idle_step
 
 
 class DSparkProposer(Proposer):

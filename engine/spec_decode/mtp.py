@@ -20,7 +20,7 @@ from engine.sampler import Sampler
 from engine.spec_decode.proposer import Observation, Proposer
 from model.cache import Batch, KVPools, SeqCache
 from model.deepseek_v4 import DeepseekV4
-from model.parallel import idle_step
+from model.parallel.modules import idle_step
 
 
 class MtpProposer(Proposer):

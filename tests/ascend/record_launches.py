@@ -31,9 +31,9 @@ import torch  # noqa: E402
 
 from model.checkpoint import build_model, load_model, parameter_dtype  # noqa: E402
 from model.config import ModelConfig  # noqa: E402
-from model.engram import bucket_layout  # noqa: E402
-from model.release_like import V4_FLASH_WIDTHS, V41_FLASH_WIDTHS  # noqa: E402
-from model.tiny import ARCHS, toy_config, write_tiny  # noqa: E402
+from model.config.sections import bucket_layout  # noqa: E402
+from model.testing.release_like import V4_FLASH_WIDTHS, V41_FLASH_WIDTHS  # noqa: E402
+from model.testing.tiny import ARCHS, toy_config, write_tiny  # noqa: E402
 from model.tokenizer import TOKENIZER_PATH  # noqa: E402
 from tests.triton_kernels.bounds import PACKAGE, BoundsCheck, marked_lines  # noqa: E402
 from triton_kernels import tuning  # noqa: E402

@@ -13,7 +13,7 @@ from autotune.__main__ import main
 from benchmarks.cases import OPS
 from benchmarks.workload import TINY_PHASES
 from model.config import ModelConfig
-from model.tiny import toy_config
+from model.testing.tiny import toy_config
 from triton_kernels import runtime, tuning
 
 

@@ -14,7 +14,7 @@ from autotune.sweep import BucketSweep, Trial
 from autotune.writer import document, write
 from benchmarks.workload import TINY_PHASES, Workload
 from model.config import ModelConfig
-from model.tiny import toy_config
+from model.testing.tiny import toy_config
 from triton_kernels import runtime, topk, tuning
 from triton_kernels.spec import TuneConfig
 

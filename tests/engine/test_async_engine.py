@@ -13,7 +13,7 @@ from engine.request import SamplingParams
 from engine.server.async_engine import AsyncEngine, Group, Unavailable, Update
 from engine.server.metrics import Metrics
 from model.checkpoint import load_model
-from model.tiny import write_tiny
+from model.testing.tiny import write_tiny
 from model.tokenizer import load_tokenizer
 
 PARAMS = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)

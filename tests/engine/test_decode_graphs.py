@@ -18,7 +18,7 @@ from engine.request import SamplingParams
 from engine.server.args import engine_config, parse_args
 from engine.spec_decode.proposer import ScriptedProposer
 from model.checkpoint import load_model
-from model.tiny import cached_tiny
+from model.testing.tiny import cached_tiny
 from model.tokenizer import load_tokenizer
 from triton_kernels import runtime
 

@@ -23,7 +23,7 @@ from engine.llm_engine import EngineConfig, LLMEngine
 from engine.request import SamplingParams
 from model import compressor
 from model.checkpoint import load_model
-from model.tiny import cached_tiny
+from model.testing.tiny import cached_tiny
 from model.tokenizer import load_tokenizer
 from triton_kernels import runtime
 from triton_kernels.compressor import compress

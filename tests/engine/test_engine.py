@@ -9,7 +9,7 @@ from engine.llm_engine import EngineConfig, LLMEngine
 from engine.request import SamplingParams
 from model.checkpoint import load_model
 from model.generate import greedy
-from model.tiny import write_tiny
+from model.testing.tiny import write_tiny
 from model.tokenizer import load_tokenizer
 
 LENGTHS = [1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 144, 233, 377, 500, 610, 700]

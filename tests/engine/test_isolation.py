@@ -9,7 +9,7 @@ import torch
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.request import FinishReason, Request, SamplingParams
 from model.checkpoint import load_model
-from model.tiny import write_tiny
+from model.testing.tiny import write_tiny
 from model.tokenizer import load_tokenizer
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)

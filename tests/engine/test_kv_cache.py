@@ -7,9 +7,9 @@ import random
 import pytest
 
 from engine.kv_cache import KVCacheManager
-from model.cache import CacheGroup, cache_groups
+from model.cache import CacheGroup, CacheLayout, cache_groups
 from model.config import ModelConfig
-from model.tiny import TOY_V4
+from model.testing.tiny import TOY_V4
 
 GROUPS = (
     CacheGroup("window", 1, 64, window=8),
@@ -18,7 +18,7 @@ GROUPS = (
 
 
 def manager(num_blocks: int = 32) -> KVCacheManager:
-    return KVCacheManager(GROUPS, block_size=4, num_blocks=num_blocks)
+    return KVCacheManager(CacheLayout.of(GROUPS, 4), num_blocks)
 
 
 def test_groups_of_the_toy_v4():
@@ -109,4 +109,4 @@ def test_no_leaks_after_many_random_lifecycles():
 
 def test_budget_below_one_block_is_an_error():
     with pytest.raises(ValueError, match="below one block"):
-        KVCacheManager.from_budget(GROUPS, 4, 100)
+        KVCacheManager.from_budget(CacheLayout.of(GROUPS, 4), 100)

@@ -11,7 +11,7 @@ from engine.request import SamplingParams
 from model.chat import encode_messages
 from model.generate import greedy
 from model.quant_linear import Int8Linear
-from model.tiny import cached_tiny, write_tiny
+from model.testing.tiny import cached_tiny, write_tiny
 from model.tokenizer import prompt_ids
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)

@@ -9,7 +9,7 @@ import pytest
 
 from engine.kv_cache import KVCacheManager
 from engine.prefix_cache import Checkpoint, PrefixCache, cache_salt, check_page_size
-from model.cache import CacheGroup
+from model.cache import CacheGroup, CacheLayout
 
 P = 16
 GROUPS = (
@@ -20,7 +20,7 @@ GROUPS = (
 
 
 def manager(num_blocks: int = 64) -> KVCacheManager:
-    return KVCacheManager(GROUPS, block_size=4, num_blocks=num_blocks, prefix=PrefixCache(P, cache_salt("m")))
+    return KVCacheManager(CacheLayout.of(GROUPS, 4), num_blocks, PrefixCache(P, cache_salt("m")))
 
 
 def tokens(n: int, seed: int = 0) -> list[int]:

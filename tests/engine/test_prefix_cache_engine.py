@@ -14,7 +14,7 @@ from engine.request import Request, SamplingParams
 from model.cache import SavedCompressor
 from model.checkpoint import load_model
 from model.compressor import Compressor
-from model.tiny import cached_tiny
+from model.testing.tiny import cached_tiny
 from model.tokenizer import load_tokenizer
 
 PAGE = {"v4": 128, "v4-dspark": 128, "v41": 32}  # the smallest page each tiny model allows

@@ -7,13 +7,13 @@ import random
 from engine.kv_cache import KVCacheManager
 from engine.request import FinishReason, Request, SamplingParams, Status
 from engine.scheduler import Scheduler
-from model.cache import CacheGroup
+from model.cache import CacheGroup, CacheLayout
 
 GROUPS = (CacheGroup("window", 1, 64, window=8), CacheGroup("compressed_r2", 2, 64))
 
 
 def scheduler(blocks: int = 64, seqs: int = 4, budget: int = 16) -> Scheduler:
-    return Scheduler(KVCacheManager(GROUPS, 4, blocks), seqs, budget)
+    return Scheduler(KVCacheManager(CacheLayout.of(GROUPS, 4), blocks), seqs, budget)
 
 
 def advance(s: Scheduler, chunks) -> None:

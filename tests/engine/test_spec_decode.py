@@ -13,7 +13,7 @@ from engine.sampler import Sampler
 from engine.spec_decode.dspark import DSparkProposer
 from engine.spec_decode.proposer import Observation, Proposer, ScriptedProposer
 from model.checkpoint import load_model
-from model.tiny import cached_tiny
+from model.testing.tiny import cached_tiny
 from model.tokenizer import load_tokenizer
 
 # Mixed lengths; 120..127 decode across the windows of ratio 128 (and 4, 2) closing at position 127.

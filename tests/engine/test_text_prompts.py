@@ -11,7 +11,7 @@ from engine.llm import LLM
 from engine.request import SamplingParams
 from engine.server.api import OpenAIServer
 from model import generate
-from model.tiny import write_tiny
+from model.testing.tiny import write_tiny
 from model.tokenizer import BOS, BOS_ID, load_tokenizer, prompt_ids
 
 TEXTS = ["The quick brown fox", " a leading space", "<｜User｜>hi<｜Assistant｜>", "x"]

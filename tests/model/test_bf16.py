@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from model.checkpoint import load_model, placement, read_tensors
-from model.tiny import cached_tiny
+from model.testing.tiny import cached_tiny
 from tests.model.hf_oracle import transformers_model
 from tests.model.test_conformance_v4 import oracle_logits, prompt
 from triton_kernels import runtime

@@ -17,7 +17,7 @@ from model.cache import (
 )
 from model.config import ModelConfig
 from model.plan import build_plan
-from model.tiny import ARCHS, toy_config
+from model.testing.tiny import ARCHS, toy_config
 
 
 def pools_by_group(pools: KVPools) -> dict[str, list[torch.Tensor]]:

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from engine.llm_engine import EngineConfig, LLMEngine
 from model.checkpoint import SINGLE_FILE, load_model
 from model.quant import dequantize_fp4, dequantize_fp8, quantize_fp4, quantize_fp8
-from model.tiny import write_tiny
+from model.testing.tiny import write_tiny
 from model.tokenizer import load_tokenizer
 
 

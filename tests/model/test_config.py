@@ -6,7 +6,7 @@ import pytest
 
 from model.config import ModelConfig
 from model.plan import Attention, Rope, build_plan
-from model.tiny import TOY_V4
+from model.testing.tiny import TOY_V4
 
 RAW = {**TOY_V4, "vocab_size": 4096}
 

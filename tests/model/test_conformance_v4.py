@@ -11,7 +11,7 @@ from model.attention import Indexer
 from model.checkpoint import dequantize, load_model, read_tensors
 from model.generate import greedy
 from model.plan import Attention
-from model.tiny import write_tiny
+from model.testing.tiny import write_tiny
 from tests.model.hf_oracle import transformers_model
 
 TOL = 1e-4

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from model.checkpoint import load_model, read_tensors
-from model.tiny import write_tiny
+from model.testing.tiny import write_tiny
 from tests.model.hf_oracle import transformers_model
 from triton_kernels import compressor, runtime, sparse_attn
 

@@ -11,16 +11,15 @@ from hypothesis import strategies as st
 from tokenizers import Regex, normalizers
 from torch import nn
 
-from model.config import ModelConfig
+from model.config import EngramConfig, ModelConfig
 from model.engram import (
     Engram,
-    EngramConfig,
     EngramHasher,
     compressed_token_map,
     multipliers,
     normalize_token_text,
 )
-from model.tiny import toy_config
+from model.testing.tiny import toy_config
 from model.tokenizer import PAD_ID, load_tokenizer
 
 PROJECT_COMPRESSED_VOCAB = 3437  # the project tokenizer's 4096 ids, normalised (open point 9)

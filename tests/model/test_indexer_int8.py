@@ -6,7 +6,7 @@ import torch
 
 from model.attention import Indexer
 from model.checkpoint import load_model
-from model.tiny import write_tiny
+from model.testing.tiny import write_tiny
 
 
 def test_int8_indexer_keeps_the_float_selection(tmp_path) -> None:

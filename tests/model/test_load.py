@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from model.checkpoint import INDEX_FILE, SINGLE_FILE, load_model, stored_tensors
 from model.shards import StoredTensor
-from model.tiny import write_tiny
+from model.testing.tiny import write_tiny
 
 
 @pytest.fixture(scope="module")

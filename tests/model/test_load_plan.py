@@ -9,10 +9,10 @@ import torch
 from engine.config import EngineConfig
 from engine.kv_cache import KVCacheManager
 from engine.memory_plan import activation_bytes, plan_memory
-from model.cache import cache_groups
+from model.cache import CacheLayout
 from model.checkpoint import load_model
 from model.config import ModelConfig
-from model.tiny import write_tiny
+from model.testing.tiny import write_tiny
 
 SHAPE = {"max_num_batched_tokens": 256, "max_model_len": 1024, "block_size": 16}
 
@@ -36,7 +36,9 @@ def test_the_kv_cache_gets_what_remains(fp8_dir):
     )
     assert plan.kv_bytes == device // 2 - plan.weight_bytes - plan.activation_bytes > 0
     model = load_model(fp8_dir)
-    cache = KVCacheManager.from_budget(cache_groups(model.cfg, 4), SHAPE["block_size"], plan.kv_bytes)
+    cache = KVCacheManager.from_budget(
+        CacheLayout.for_model(model.cfg, torch.float32, SHAPE["block_size"]), plan.kv_bytes
+    )
     assert plan.num_blocks == cache.num_blocks
     assert plan.max_concurrency == cache.num_blocks / cache.max_blocks(1024, 256)
     assert "maximum concurrency at 1024 tokens per request" in plan.line()
@@ -58,7 +60,7 @@ def test_max_model_len_auto_is_the_longest_request_the_kv_cache_holds(fp8_dir):
     shape = {**SHAPE, "max_model_len": None}
     cfg = ModelConfig.from_file(fp8_dir)
     small = plan_memory(fp8_dir, torch.float32, "auto", kv_cache_memory=2**21, **shape)
-    cache = KVCacheManager(cache_groups(cfg, 4), SHAPE["block_size"], 1)
+    cache = KVCacheManager(CacheLayout.for_model(cfg, torch.float32, SHAPE["block_size"]), 1)
     chunk = SHAPE["max_num_batched_tokens"]
     assert small.blocks_per_request <= small.num_blocks < cache.max_blocks(small.max_model_len + 1, chunk)
     big = plan_memory(fp8_dir, torch.float32, "auto", kv_cache_memory=2**40, **shape)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from model.config import ModelConfig
-from model.release_like import like_config, stored
+from model.testing.release_like import like_config, stored
 
 E8M0 = torch.float8_e8m0fnu
 

@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from model.checkpoint import DESCRIPTION_FILE, SLIM_SINGLE_FILE, load_model, stored_tensors
-from model.release_like import to_msmodelslim
-from model.tiny import write_tiny
+from model.testing.release_like import to_msmodelslim
+from model.testing.tiny import write_tiny
 from tests.model.test_load_w8a8 import MEAN_COSINE, MEDIAN_COSINE, TOP1, _agreement, _copy
 
 # Against its own dequantised form only the activations differ (int8 per token, at every W8A8 / W4A8

@@ -12,8 +12,8 @@ from safetensors.torch import load_file, save_file
 
 from model.checkpoint import DESCRIPTION_FILE, SLIM_SINGLE_FILE, load_model
 from model.quant_linear import Int8Linear
-from model.release_like import to_msmodelslim
-from model.tiny import write_tiny
+from model.testing.release_like import to_msmodelslim
+from model.testing.tiny import write_tiny
 
 # Floors for 64 tokens of the tiny V4 (6 layers, top-2 of 8 experts). Per-channel int8 weights and per-
 # token int8 activations add about 1% relative noise per GEMM, which alone keeps a token's cosine near

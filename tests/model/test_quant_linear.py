@@ -9,7 +9,7 @@ import torch
 from model.checkpoint import load_model, stored_tensors
 from model.quant import dequantize_fp4, dequantize_fp8, quantize_fp4, quantize_fp8
 from model.quant_linear import DenseLinear, Fp8Linear, Int8Linear, Mxfp4Linear
-from model.tiny import write_tiny
+from model.testing.tiny import write_tiny
 from triton_kernels.quant import dequantize_int8, quantize_int8_ref
 
 

@@ -9,7 +9,7 @@ from model.cache import SequenceState, group_name
 from model.checkpoint import load_model
 from model.compressor import Compressor
 from model.plan import build_plan
-from model.tiny import cached_tiny
+from model.testing.tiny import cached_tiny
 
 
 @pytest.fixture(scope="module", params=["v4", "v41"])

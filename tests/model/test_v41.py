@@ -14,7 +14,7 @@ from model.config import ModelConfig
 from model.engram import Fp8Table
 from model.plan import Attention, Candidates
 from model.quant_linear import Fp8Linear
-from model.tiny import write_tiny
+from model.testing.tiny import write_tiny
 from triton_kernels import tuning
 
 TOL = 1e-4

@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from engine.rank_group import free_port
-from model.tiny import write_tiny
+from engine.parallel.group import free_port
+from model.testing.tiny import write_tiny
 
 
 @pytest.fixture(autouse=True, scope="module")

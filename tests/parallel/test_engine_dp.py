@@ -4,16 +4,23 @@ finishes), every (token, expert) choice computed exactly once over the ranks, an
 
 from __future__ import annotations
 
-import pytest
+from types import SimpleNamespace
 
-from engine.data_parallel import ShadowRequest
+import pytest
+import torch
+
+from engine.config import EngineConfig
 from engine.llm import LLM
-from engine.rank_group import WorkerFailed
+from engine.llm_engine import LLMEngine
+from engine.parallel.data_parallel import DataParallelEngine
+from engine.parallel.group import WorkerFailed
 from engine.request import InvalidRequest, SamplingParams
 from model.cache import block_layout, cache_groups
+from model.checkpoint import load_model
 from model.config import ModelConfig
-from model.parallel import DispatchMoE
-from model.tiny import cached_tiny
+from model.parallel.modules import DispatchMoE
+from model.testing.tiny import cached_tiny
+from model.tokenizer import load_tokenizer
 from tests.parallel.conftest import kill_worker
 
 # 40, 4 and 30 prompt tokens: chunks of 16; rank 0 gets the first and the last, rank 1 the short one.
@@ -59,11 +66,20 @@ def test_data_parallel_needs_expert_parallel_and_no_tensor_parallel():
 
 
 def test_a_request_on_another_rank_refuses_a_logits_processor():
-    """It could not travel to that rank: refused, not silently dropped."""
-    shadow = ShadowRequest([1, 2], GREEDY)
-    shadow.logits_processor = None
+    """It could not travel to that rank: refused before it is queued, not silently dropped. The front
+    needs no worker until it steps: rank 0's engine alone, over two ranks."""
+    path = cached_tiny("v4")
+    local = LLMEngine(load_model(path), load_tokenizer(path), EngineConfig(**ENGINE))
+    front = DataParallelEngine(local, SimpleNamespace(world=2))
+
+    def processor(tokens: list[int], logits: torch.Tensor) -> torch.Tensor:
+        return logits
+
+    assert front.add_request([1, 2], GREEDY, logits_processor=processor).logits_processor is processor
     with pytest.raises(InvalidRequest, match="do not run under data parallel yet"):
-        shadow.logits_processor = lambda tokens, logits: logits
+        front.add_request([1, 2], GREEDY, logits_processor=processor)  # rank 1's turn
+    assert not front.plan.admitted and not front.shadows
+    assert front.add_request([1, 2], GREEDY).id == front.plan.admitted[1][0].id
 
 
 @pytest.mark.parametrize("arch", ["v4", "v41"])
@@ -82,8 +98,9 @@ def test_dp2_speculating_preempting_ranks_give_the_tokens_of_one_process_and_abo
     llm = LLM(model=path, data_parallel_size=2, enable_expert_parallel=True, **engine)
     try:
         assert _tokens(llm) == single
-        assert llm.engine.scheduler.preemptions > 0 or arch == "v41"  # V4.1's 6 blocks hold both requests
-        assert llm.engine.spec_stats.drafted > 0
+        stats = llm.engine.stats()  # rank 0's
+        assert stats.preemptions > 0 or arch == "v41"  # V4.1's 6 blocks hold both requests
+        assert stats.spec_decode.drafted > 0
         _abort_on_rank_1(llm.engine)
     finally:
         llm.close()

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 
 from engine.llm import LLM
-from engine.rank_group import WorkerFailed
+from engine.parallel.group import WorkerFailed
 from engine.request import InvalidRequest, SamplingParams
 from model.cache import block_layout, cache_groups
 from model.config import ModelConfig
-from model.tiny import cached_tiny
+from model.testing.tiny import cached_tiny
 from tests.parallel.conftest import kill_worker
 
 # Prompts of 40 and 30 tokens span several chunks of 16; the requests share steps, and a cache of a few

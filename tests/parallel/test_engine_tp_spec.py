@@ -9,12 +9,13 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
+from engine.factory import build_engine
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
+from engine.parallel.processes import load_ranks
 from engine.request import Request, SamplingParams
 from engine.spec_decode.proposer import ScriptedProposer
-from engine.workers import load_ranks
-from model.tiny import cached_tiny
+from model.testing.tiny import cached_tiny
 from model.tokenizer import load_tokenizer
 
 # The smallest page each tiny model allows, and its draft head (MTP chaining two drafts: one is fed back).
@@ -81,7 +82,7 @@ def test_tp2_workers_keep_the_drafts_rank_0_accepts():
     config = EngineConfig(tensor_parallel_size=2, num_speculative_tokens=3, **ENGINE)
     model, workers = load_ranks(path, torch.float32, torch.device("cpu"), config)
     try:
-        engine = LLMEngine(model, load_tokenizer(path), config, ScriptedProposer(two_right), workers)
+        engine = build_engine(model, load_tokenizer(path), config, workers, ScriptedProposer(two_right))
         assert _outputs(engine, "v41")[0] == plain
         assert engine.spec_stats.accepted_at[:2] == engine.spec_stats.drafted_at[:2]
         assert engine.spec_stats.accepted_at[2] == 0 < engine.spec_stats.drafted_at[2]

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.rank_group import Rendezvous, WorkerFailed, free_port, init_group
-from engine.rank_plans import RankReport, WorkerSpec
-from engine.workers import Workers, _spawn
-from model.tiny import cached_tiny
+from engine.parallel.group import Rendezvous, WorkerFailed, free_port, init_group
+from engine.parallel.plans import RankReport, WorkerSpec
+from engine.parallel.processes import Workers, _spawn
+from model.testing.tiny import cached_tiny
 
 CONFIG = EngineConfig(tensor_parallel_size=2, enable_prefix_caching=False, kv_cache_memory=2**20)
 

@@ -8,8 +8,9 @@ import torch
 
 from model.checkpoint import load_model
 from model.moe import MoE
-from model.parallel import ExpertParallelMoE, LocalExperts, ParallelContext
-from model.tiny import cached_tiny
+from model.parallel.context import ParallelContext
+from model.parallel.modules import ExpertParallelMoE, LocalExperts
+from model.testing.tiny import cached_tiny
 from triton_kernels import moe_gemm
 
 WORLD = 2

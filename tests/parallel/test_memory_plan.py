@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from engine.memory_plan import plan_memory
-from engine.rank_plans import resident_bytes
+from engine.parallel.plans import resident_bytes
 from model.checkpoint import load_model
-from model.parallel import ParallelContext
-from model.tiny import cached_tiny
+from model.parallel.context import ParallelContext
+from model.testing.tiny import cached_tiny
 
 SHAPE = {"max_num_batched_tokens": 64, "max_model_len": 256, "block_size": 16, "kv_cache_memory": 2**24}
 

@@ -16,14 +16,14 @@ import torch
 import torch.distributed as dist
 
 from engine.config import EngineConfig
+from engine.factory import build_engine
 from engine.llm import LLM
-from engine.llm_engine import LLMEngine
-from engine.rank_group import free_port
+from engine.parallel.group import free_port
+from engine.parallel.processes import load_ranks
 from engine.request import SamplingParams
 from engine.server.args import parse_args
 from engine.server.launch import rendezvous
-from engine.workers import load_ranks
-from model.tiny import cached_tiny
+from model.testing.tiny import cached_tiny
 from model.tokenizer import load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,7 +56,7 @@ def test_a_second_node_runs_rank_1_and_the_tokens_are_those_of_one_process(
         model, workers = load_ranks(path, torch.float32, torch.device("cpu"), config, meet=meet)
         try:
             assert workers.processes == []  # rank 1 lives on the other node
-            engine = LLMEngine(model, load_tokenizer(path), config, workers=workers)
+            engine = build_engine(model, load_tokenizer(path), config, workers)
             requests = [engine.add_request(p, GREEDY) for p in PROMPTS]
             while engine.has_work:
                 engine.step()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.rank_group import Rendezvous
+from engine.parallel.group import Rendezvous
 
 
 def test_each_node_holds_consecutive_ranks():

@@ -14,7 +14,7 @@ import httpx
 
 from engine.llm import LLM
 from engine.request import SamplingParams
-from model.tiny import cached_tiny
+from model.testing.tiny import cached_tiny
 from tests.server.conftest import serving
 
 PROMPT = [0, 911, 37, 5, 1200, 64]

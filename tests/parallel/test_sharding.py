@@ -11,9 +11,11 @@ import torch
 
 from model.checkpoint import build_model, load_model, plan_shard
 from model.config import ModelConfig
-from model.parallel import ParallelContext, TensorSlice, shard_model
-from model.release_like import to_msmodelslim
-from model.tiny import cached_tiny
+from model.parallel.context import ParallelContext
+from model.parallel.sharding import shard_model
+from model.shards import TensorSlice
+from model.testing.release_like import to_msmodelslim
+from model.testing.tiny import cached_tiny
 
 WORLD = 2
 

@@ -13,13 +13,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from engine.rank_group import Rendezvous, init_group
-from engine.rank_plans import resident_bytes
+from engine.parallel.group import Rendezvous, init_group
+from engine.parallel.plans import resident_bytes
 from model.attention import Indexer
 from model.attention_v41 import Indexer41
 from model.checkpoint import load_model, plan_shard, stored_tensors
-from model.parallel import ParallelContext
-from model.tiny import cached_tiny
+from model.parallel.context import ParallelContext
+from model.testing.tiny import cached_tiny
 from tests.parallel.conftest import two_ranks
 
 WORLD = 2

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.rank_group import Rendezvous
+from engine.parallel.group import Rendezvous
 from engine.server.args import parse_args, torchrun_defaults
 from engine.server.launch import rendezvous
 

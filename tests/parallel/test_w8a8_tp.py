@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from engine.rank_group import Rendezvous, init_group
+from engine.parallel.group import Rendezvous, init_group
 from model.checkpoint import load_model
 from tests.parallel.conftest import two_ranks
 

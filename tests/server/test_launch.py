@@ -12,7 +12,7 @@ import time
 import pytest
 
 from engine import serve
-from model.tiny import cached_tiny
+from model.testing.tiny import cached_tiny
 from tests.server.conftest import ROOT, serving, wait_healthy
 
 # vLLM's recipe line for DeepSeek-V4-Flash, with the tiny checkpoint for the model and CPU values for the

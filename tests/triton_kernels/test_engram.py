@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from model.engram import bucket_layout, multipliers
+from model.config.sections import bucket_layout
+from model.engram import multipliers
 from triton_kernels import engram, runtime
 from triton_kernels.engram import (
     HashTables,

@@ -9,7 +9,7 @@ import inspect
 import json
 from pathlib import Path
 
-from model.tiny import ARCHS
+from model.testing.tiny import ARCHS
 from triton_kernels import tuning
 
 LAUNCHES = Path(__file__).resolve().parents[1] / "ascend" / "launches.json"

@@ -12,8 +12,9 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
     apply_rotary_pos_emb,
 )
 
+from model.config import Yarn
 from triton_kernels import rope, runtime
-from triton_kernels.rope import Yarn, apply_rope, apply_rope_ref, apply_rope_triton, rope_inv_freq
+from triton_kernels.rope import apply_rope, apply_rope_ref, apply_rope_triton, rope_inv_freq
 
 TOY_YARN = Yarn(factor=16, original_max_position_embeddings=65536, beta_fast=32, beta_slow=1)
 ROPE_DIM, HEAD_DIM = 16, 64

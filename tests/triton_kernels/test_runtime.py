@@ -3,6 +3,7 @@ from __future__ import annotations
 import inspect
 import os
 import re
+from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
 import pytest
@@ -11,36 +12,22 @@ import triton
 import triton.language as tl
 
 from triton_kernels import (
-    compressor,
-    engram,
-    indexer,
-    mhc,
-    moe_gemm,
-    quant,
-    quant_matmul,
-    rmsnorm,
-    rope,
+    ops,
     runtime,
     sku,
-    sparse_attn,
-    topk,
     tuning,
 )
 from triton_kernels.spec import TuneConfig
 
-OP_MODULES = (
-    rmsnorm,
-    rope,
-    mhc,
-    topk,
-    indexer,
-    quant,
-    quant_matmul,
-    moe_gemm,
-    sparse_attn,
-    compressor,
-    engram,
-)
+OP_MODULES = tuple(ops.OPS.values())
+
+
+def test_the_registry_lists_every_op_module() -> None:
+    """Every module of the package that declares kernels is an op of the registry, under its name."""
+    package = Path(ops.__file__).parent
+    declaring = {p.stem for p in package.glob("*.py") if re.search(r"^KERNELS\b", p.read_text(), re.M)}
+    assert declaring == set(ops.OPS)
+    assert all(name == module.__name__.rpartition(".")[2] for name, module in ops.OPS.items())
 
 
 def test_cpu_backend_facts() -> None:

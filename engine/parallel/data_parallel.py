@@ -1,6 +1,6 @@
 """Data-parallel attention with expert parallel (design "Parallelism", stage B): every rank is an engine of
 its own (requests, scheduler, KV cache, a whole model but for the routed experts, split over the ranks),
-and the MoE blocks exchange their tokens by all-to-all (``model.parallel.DispatchMoE``).
+and the MoE blocks exchange their tokens by all-to-all (``model.parallel.modules.DispatchMoE``).
 
 Rank 0 is the front. It spreads new requests over the ranks (the least loaded first) and keeps a shadow
 of each request another rank runs. Every step it broadcasts the plan (the requests each rank admits,
@@ -8,12 +8,13 @@ the aborted ones) on the workers' CPU group; then every rank steps, and gathers 
 produced. The ranks step in lockstep: one with nothing to compute dispatches zero tokens through its MoE
 blocks (``idle_step``), so every all-to-all finds all ranks; when speculating, every rank also runs as
 many draft forwards as the rank that drafts the most (``LockstepProposer``). Processes and faults are
-the workers' (``engine.workers``), the rendezvous ``engine.rank_group``'s.
+the workers' (``processes``), the rendezvous ``group``'s.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -21,13 +22,24 @@ from tokenizers import Tokenizer
 
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.interface import EngineStats
 from engine.llm_engine import Completion, LLMEngine
-from engine.rank_plans import STEP, RankReport, next_plan, report
-from engine.request import FinishReason, InvalidRequest, Proposal, Request, SamplingParams, Status
+from engine.parallel.plans import STEP, RankReport, next_plan, report
+from engine.request import (
+    FinishReason,
+    InvalidRequest,
+    LogitsProcessor,
+    Proposal,
+    Request,
+    SamplingParams,
+    Status,
+)
 from engine.spec_decode.proposer import Observation, Proposer
-from engine.workers import Workers
 from model.causal_lm import CausalLM
-from model.parallel import idle_step
+from model.parallel.modules import idle_step
+
+if TYPE_CHECKING:  # its processes spawn this module's worker loop
+    from engine.parallel.processes import Workers
 
 
 @dataclass(frozen=True)
@@ -141,44 +153,18 @@ def _progress(request: Request, reported: dict[str, int]) -> Progress:
                     request.stop_text_at, request.error)  # fmt: skip
 
 
-class ShadowRequest(Request):
-    """The front's copy of a request another rank runs; a logits processor (structured output) cannot
-    travel to that rank yet, so setting one is refused rather than ignored."""
-
-    def __setattr__(self, name: str, value: object) -> None:
-        if name == "logits_processor" and value is not None:
-            raise InvalidRequest("logits processors (structured output) do not run under data parallel yet",
-                                 "response_format")  # fmt: skip
-        super().__setattr__(name, value)
-
-
 class DataParallelEngine:
-    """Rank 0's front over ``local`` (rank 0's own engine) and the worker ranks: the part of
-    ``LLMEngine``'s interface that ``LLM`` and the server drive. The server's gauges (scheduler, cache,
-    speculative statistics, step tokens) read rank 0's."""
+    """Rank 0's ``Engine``: the front over ``local`` (rank 0's own engine) and the worker ranks. A request
+    another rank runs has a shadow here, which the ranks' progress updates; its statistics are rank 0's."""
 
     def __init__(self, local: LLMEngine, workers: Workers):
         self.local, self.workers = local, workers
         self.model, self.tokenizer, self.config = local.model, local.tokenizer, local.config
-        self.scheduler, self.cache, self.runner = local.scheduler, local.cache, local.runner
-        self.spec_stats, self.tuned_files = local.spec_stats, local.tuned_files
-        self.proposer = local.proposer
+        self.tuned_files = local.tuned_files
         self.shadows: dict[str, tuple[int, Request]] = {}  # requests other ranks run, with their rank
         self.shadow_text: dict[str, IncrementalDetokenizer] = {}  # their streamed text, decoded here
         self.plan = DataParallelPlan(STEP)
         self.turn = 0  # the rank that gets the next request among equally loaded ones
-
-    @property
-    def step_tokens(self) -> int:
-        return self.local.step_tokens
-
-    @property
-    def requests(self) -> dict[str, Request]:
-        return {**self.local.requests, **{i: shadow for i, (_, shadow) in self.shadows.items()}}
-
-    @property
-    def detokenizers(self) -> dict[str, IncrementalDetokenizer]:
-        return {**self.local.detokenizers, **self.shadow_text}
 
     @property
     def world(self) -> int:
@@ -190,17 +176,25 @@ class DataParallelEngine:
         return sum(r == rank and not s.finished for r, s in self.shadows.values())
 
     def add_request(
-        self, prompt: list[int], params: SamplingParams, request_id: str | None = None
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        logits_processor: LogitsProcessor | None = None,
     ) -> Request:
-        """Queue the request on the least loaded rank (equals taken in turn), validated here first."""
+        """Queue the request on the least loaded rank (equals taken in turn), validated here first. A logits
+        processor (structured output) cannot travel to another rank yet: refused there, not ignored."""
         rank = min(range(self.world), key=lambda r: (self._load(r), (r - self.turn) % self.world))
-        self.turn = (rank + 1) % self.world
         if request_id is not None and (request_id in self.shadows or request_id in self.local.requests):
             raise ValueError(f"request id {request_id!r} is already in use")
+        if rank and logits_processor is not None:
+            raise InvalidRequest("logits processors (structured output) do not run under data parallel yet",
+                                 "response_format")  # fmt: skip
+        self.turn = (rank + 1) % self.world
         if rank == 0:
-            return self.local.add_request(prompt, params, request_id)
+            return self.local.add_request(prompt, params, request_id, logits_processor)
         self.local.validate(prompt, params)  # every rank's engine has the same limits
-        shadow = ShadowRequest(list(prompt), params)
+        shadow = Request(list(prompt), params)
         if request_id is not None:
             shadow.id = request_id
         self.shadows[shadow.id] = (rank, shadow)
@@ -247,6 +241,13 @@ class DataParallelEngine:
             updated.append(shadow)
         return updated
 
+    def streamed_text(self, request: Request) -> str:
+        shadow = self.shadow_text.get(request.id)
+        return self.local.streamed_text(request) if shadow is None else shadow.text
+
+    def stats(self) -> EngineStats:
+        return self.local.stats()
+
     def completion(self, request: Request) -> Completion:
         if self.shadows.pop(request.id, None) is None:
             return self.local.completion(request)
@@ -255,14 +256,3 @@ class DataParallelEngine:
 
     def reports(self) -> list[RankReport]:
         return self.workers.reports(report(self.local.runner))
-
-
-def build_engine(
-    model: CausalLM, tokenizer: Tokenizer, config: EngineConfig, workers: Workers | None
-) -> LLMEngine | DataParallelEngine:
-    """Rank 0's engine over ``workers``: the data-parallel front over its own engine, or one engine that
-    runs every step with the tensor-parallel workers (none: a single process)."""
-    if config.data_parallel_size > 1:
-        assert workers is not None
-        return DataParallelEngine(lockstep_engine(model, tokenizer, config), workers)
-    return LLMEngine(model, tokenizer, config, workers=workers)

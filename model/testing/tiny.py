@@ -1,16 +1,13 @@
 """Tiny random checkpoints in the official naming, for tests and the default server.
 
-``python -m model.tiny --arch v4|v4-dspark|v41 --out DIR [--fp8] [--shards N] [--seed S]`` writes
-``config.json``, safetensors and the project tokenizer; ``--like v4-flash --layers L --experts E
-[--layout official|msmodelslim]`` writes a width-faithful synthetic checkpoint instead (``release_like``).
-Weights are seeded and deterministic; norms, mHC, sinks, ``ape`` and gate biases get non-trivial values
-(zeros and ones would let an implementation that ignores them pass), and one routed expert per layer is
-scaled so the SwiGLU clamp is hit (model-spec §12).
+``write_tiny`` (``python -m model.testing --arch v4|v4-dspark|v41 --out DIR [--fp8] [--shards N]``) writes
+``config.json``, safetensors and the project tokenizer. Weights are seeded and deterministic; norms, mHC,
+sinks, ``ape`` and gate biases get non-trivial values (zeros and ones would let an implementation that
+ignores them pass), and one routed expert per layer is scaled so the SwiGLU clamp is hit (model-spec §12).
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import math
@@ -282,37 +279,3 @@ def cached_tiny(arch: str) -> Path:
         except OSError:  # another process won the race
             shutil.rmtree(staging)
     return path
-
-
-def main() -> None:
-    from model.release_like import LAYOUTS, LIKES, to_msmodelslim, write_like  # it builds on this module
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--arch", default="v4", choices=ARCHS)
-    parser.add_argument("--out", required=True)
-    parser.add_argument(
-        "--fp8", action="store_true", help="store the FP8 linears as E4M3 with E8M0 block scales"
-    )
-    parser.add_argument("--shards", type=int, default=1)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--like", choices=tuple(LIKES), help="a release's widths with few layers and experts")
-    parser.add_argument("--layers", type=int, default=2, help="with --like: backbone layers")
-    parser.add_argument("--experts", type=int, default=16, help="with --like: routed experts")
-    parser.add_argument(
-        "--layout",
-        choices=LAYOUTS,
-        default="official",
-        help="storage layout (without --like: of the fp32 toy)",
-    )
-    args = parser.parse_args()
-    if args.like:
-        print(write_like(args.out, args.like, args.layers, args.experts, args.layout, args.seed))
-    elif args.layout != "official":  # msModelSlim W8A8 / W4A8 quantised from the fp32 toy
-        with tempfile.TemporaryDirectory() as scratch:
-            print(to_msmodelslim(write_tiny(scratch, args.arch, seed=args.seed), args.out, args.layout))
-    else:
-        print(write_tiny(args.out, args.arch, args.fp8, args.shards, args.seed))
-
-
-if __name__ == "__main__":
-    main()

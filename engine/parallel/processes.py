@@ -1,8 +1,8 @@
-"""Rank 0's side of tensor and data parallelism: rank 0, the engine's process, schedules and samples; ranks
-1..N-1 are spawned processes (``engine.follower``) that load their own shard and run every forward rank 0
-runs, from the step plan it broadcasts (``engine.rank_plans``). ``Workers`` starts them, watches them and
-stops them; ``LeaderRunner`` sends each step's plan. A worker that exits or stops answering turns rank
-0's next step into a ``WorkerFailed`` naming the rank, within the group's timeout.
+"""The ranks' processes, seen from rank 0: rank 0, the engine's process, schedules and samples; ranks
+1..N-1 are spawned processes (``follower``) that load their own shard and run every forward rank 0 runs,
+from the step plan it broadcasts (``plans``, sent by ``leader.LeaderRunner``). ``Workers`` starts them,
+watches them and stops them. A worker that exits or stops answering turns rank 0's next step into a
+``WorkerFailed`` naming the rank, within the group's timeout.
 """
 
 from __future__ import annotations
@@ -14,40 +14,26 @@ import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from engine.config import EngineConfig
-from engine.follower import worker_main
-from engine.kv_cache import KVCacheManager
-from engine.model_runner import ModelRunner, StepOutput
-from engine.rank_group import Rendezvous, WorkerFailed, free_port, init_group
-from engine.rank_plans import (
-    DRAFT,
+from engine.parallel.follower import worker_main
+from engine.parallel.group import Rendezvous, WorkerFailed, free_port, init_group
+from engine.parallel.plans import (
     REPORT,
-    STEP,
     STOP,
-    ChunkPlan,
-    DraftPlan,
     RankReport,
-    RequestRef,
     StepPlan,
     WorkerSpec,
-    moved,
-    report,
-    share_drafts,
 )
-from engine.request import Proposal
-from engine.scheduler import ScheduledChunk
-from engine.spec_decode.proposer import Observation, Proposer
-from model.cache import BoundaryState
 from model.causal_lm import CausalLM
 from model.checkpoint import load_model
 from model.config import ModelConfig
-from model.parallel import check_divisible
+from model.parallel.sharding import check_divisible
 
 LOAD_TIMEOUT_S = 3600.0  # for every rank to read its shard (hundreds of GB for the large checkpoints)
 
@@ -57,7 +43,7 @@ class Workers:
 
     def __init__(self, world: int, spec: WorkerSpec, meet: Rendezvous = Rendezvous()):
         """Spawn this machine's ranks after 0 (the others start with ``serve_node`` on their machines)."""
-        data_parallel = spec.config.data_parallel_size > 1
+        data_parallel = spec.config.data_parallel
         check_divisible(ModelConfig.from_file(spec.path), world, data_parallel)  # before any process starts
         self.world, self.spec, self.closed = world, spec, False
         self.kind = "data-parallel" if data_parallel else "tensor-parallel"  # how errors name the ranks
@@ -179,63 +165,6 @@ class Workers:
                 self.store.wait([f"left/{rank}" for rank in range(1, self.world)], timedelta(seconds=10))
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-class LeaderRunner(ModelRunner):
-    """Rank 0's runner: each step's plan goes to the workers before rank 0 runs the same forward, and
-    when speculating a draft plan before the proposer's forwards; what rank 0 did to its caches in
-    between (rollbacks, releases, prefix-cache hits) rides on the next plan."""
-
-    def __init__(self, model: torch.nn.Module, cache: KVCacheManager, workers: Workers):
-        super().__init__(model, cache)
-        self.workers = workers
-        self.pending = StepPlan(STEP)
-
-    def _send(self, **plan: Any) -> None:
-        """Broadcast ``plan`` with what rank 0 changed in its caches since the last one."""
-        sent, self.pending = dataclasses.replace(self.pending, **plan), StepPlan(STEP)
-        self.workers.broadcast(sent)
-
-    def run(self, chunks: list[ScheduledChunk]) -> StepOutput:
-        planned = [
-            ChunkPlan(RequestRef(c.request.id), c.start, c.length, c.token_ids, c.samples, c.num_drafts)
-            for c in chunks
-        ]
-        tables = {
-            c.request.id: {name: list(t.blocks) for name, t in self.cache.tables[c.request.id].items()}
-            for c in chunks
-        }
-        with self.workers.guard():
-            self._send(chunks=planned, tables=tables)
-            return super().run(chunks)
-
-    def propose(self, proposer: Proposer, observations: list[Observation]) -> list[Proposal | None]:
-        drafts = [
-            DraftPlan(RequestRef(o.request.id), o.start, o.features.shape[0], o.num_drafts, o.next_ids)
-            for o in observations
-        ]
-        with self.workers.guard():
-            self._send(command=DRAFT, drafts=drafts)
-            return super().propose(proposer, observations)
-
-    def share(self, drafts: list[int]) -> list[int]:
-        return share_drafts(self.workers.control, drafts)
-
-    def resume(self, copies: list[tuple[int, int]], resumes: dict[str, BoundaryState]) -> None:
-        super().resume(copies, resumes)
-        self.pending.copies += copies
-        self.pending.resumes.update({i: moved(state, torch.device("cpu")) for i, state in resumes.items()})
-
-    def rollback(self, chunk: ScheduledChunk, keep: int) -> None:
-        super().rollback(chunk, keep)
-        self.pending.rollbacks[chunk.request.id] = keep
-
-    def release(self, request_id: str) -> None:
-        super().release(request_id)
-        self.pending.released.append(request_id)
-
-    def reports(self) -> list[RankReport]:
-        return self.workers.reports(report(self))
 
 
 def load_ranks(

@@ -15,7 +15,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from model.parallel import ParallelContext
+from model.parallel.context import ParallelContext
 
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 JOIN_TIMEOUT_S = 300.0  # for the ranks to start (a fresh interpreter importing torch) and join the group

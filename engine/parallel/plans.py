@@ -17,7 +17,7 @@ import torch.distributed as dist
 from engine.config import EngineConfig
 from engine.model_runner import ModelRunner
 from model.cache import BoundaryState, KVPools, SavedCompressor
-from model.parallel import DispatchMoE
+from model.parallel.modules import DispatchMoE
 
 STEP, DRAFT, REPORT, STOP = "step", "draft", "report", "stop"
 

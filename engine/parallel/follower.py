@@ -1,6 +1,6 @@
 """A spawned rank (``worker_main``): it joins the group, loads its shard, then mirrors rank 0's plans with
-a ``FollowerRunner`` (tensor parallel) or runs a data-parallel engine of its own (``engine.data_parallel``)
-until rank 0 says stop.
+a ``FollowerRunner`` (tensor parallel) or runs a data-parallel engine of its own (``data_parallel``) until
+rank 0 says stop.
 """
 
 from __future__ import annotations
@@ -13,11 +13,12 @@ import torch.distributed as dist
 from engine.config import EngineConfig
 from engine.kv_cache import BlockTable, KVCacheManager
 from engine.model_runner import ModelRunner
-from engine.rank_group import Rendezvous, init_group
-from engine.rank_plans import DRAFT, ChunkPlan, StepPlan, WorkerSpec, moved, next_plan, share_drafts
+from engine.parallel.data_parallel import follow_front, lockstep_engine
+from engine.parallel.group import Rendezvous, init_group
+from engine.parallel.plans import DRAFT, ChunkPlan, StepPlan, WorkerSpec, moved, next_plan, share_drafts
 from engine.spec_decode import build_proposer
 from engine.spec_decode.proposer import Observation
-from model.cache import BoundaryState, cache_groups
+from model.cache import BoundaryState
 from model.causal_lm import CausalLM
 from model.checkpoint import load_model
 from model.tokenizer import load_tokenizer
@@ -96,19 +97,15 @@ def worker_main(rank: int, world: int, meet: Rendezvous, device: str, timeout_s:
     spec: WorkerSpec = received[0]
     torch.set_num_threads(spec.threads)
     config = spec.config
-    context = dataclasses.replace(context, data_parallel=config.data_parallel_size > 1)
+    context = dataclasses.replace(context, data_parallel=config.data_parallel)
     runner: FollowerRunner | None = None
     engine, error = None, None
     try:
         model = load_model(spec.path, spec.dtype, spec.device, spec.quantization, parallel=context)
         if context.data_parallel:
-            # Imported here: engine.data_parallel builds on engine.workers, which starts this function.
-            from engine.data_parallel import follow_front, lockstep_engine
-
             engine = lockstep_engine(model, load_tokenizer(spec.path), config)
         else:
-            groups = cache_groups(model.cfg, model.embed.weight.element_size())
-            cache = KVCacheManager.from_budget(groups, config.block_size, config.kv_cache_memory)
+            cache = KVCacheManager.for_model(model, config, prefix=False)
             runner = FollowerRunner(model, cache, control, config)
     except Exception as err:  # reported to rank 0, which raises it naming this rank
         error = f"{type(err).__name__}: {err}"

@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 from model.config import ModelConfig
 from model.deepseek_v4 import DeepseekV4
 from model.quant_linear import BIAS_COLUMNS
-from model.tiny import FP8_CONFIG, TOY_V4
+from model.testing.tiny import FP8_CONFIG, TOY_V4
 from model.tokenizer import write_tokenizer
 from triton_kernels.quant import quantize_int8_ref
 
@@ -218,8 +218,8 @@ def _describe(out: Path, description: dict[str, str], layout: str) -> None:
 
 
 def to_msmodelslim(src: str | Path, out: str | Path, layout: str = "msmodelslim") -> Path:
-    """A small dense checkpoint (``model.tiny``) rewritten in an msModelSlim layout: msModelSlim's W8A8
-    set as symmetric int8 with per-channel scales (with ``msmodelslim-w4a8`` the routed experts as int4),
+    """A small dense checkpoint (``tiny``) rewritten in an msModelSlim layout: msModelSlim's W8A8 set as
+    symmetric int8 with per-channel scales (with ``msmodelslim-w4a8`` the routed experts as int4),
     the rest as stored (no QuaRot rotation: the result is checked against its own dequantised form, as
     model-spec §9.5 says)."""
     if layout not in LAYOUTS[1:]:
