@@ -1,7 +1,7 @@
 """Tiny V4.1, one request: the prefill time of a long prompt and the decode step time against context.
 
 ``python -m benchmarks.long_context [--prefill 4096] [--contexts 1024 4096 16384] [--baseline REV
-[--baseline-contexts 1024]] [--device D] [--dtype T]``
+[--baseline-contexts 1024]] [--device D] [--dtype T] [--kv-cache-dtype auto|int8|fp8]``
 
 The prompt goes through the model in chunks of ``--chunk`` tokens (as the engine's token budget would
 split it); the decode step is the mean over ``--steps`` one-token calls after a prompt of each context
@@ -10,7 +10,8 @@ the longest context's step within 1.5x the shortest's. ``--baseline REV`` runs t
 on the same checkpoint and in the same run, with the code of git revision ``REV`` (``git archive``
 into a temporary folder; its decode steps only at ``--baseline-contexts``, as an old tree may take
 long to reach a long context), so the speed-up is read off one table. The model runs on ``--device`` in
-``--dtype`` (the baseline too); each timing ends with a read of the last logits, so queued device work
+``--dtype`` (the baseline too), its cache rows stored as ``--kv-cache-dtype`` (the baseline's in the compute
+dtype); each timing ends with a read of the last logits, so queued device work
 counts. The numbers are for this machine only.
 """
 
@@ -47,11 +48,15 @@ def measure(path: Path, args: argparse.Namespace, contexts: list[int]) -> dict[s
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(3, model.cfg.vocab_size, (longest + steps,), generator=gen).to(device)
     result = {}
+
+    def new_state():  # an old tree's new_state takes no cache dtype
+        return model.new_state() if args.kv_cache_dtype == "auto" else model.new_state(args.kv_cache_dtype)
+
     with torch.no_grad():
         begin = time.perf_counter()
-        _prefill(model, ids[:prefill], model.new_state(), chunk).cpu()
+        _prefill(model, ids[:prefill], new_state(), chunk).cpu()
         result["prefill_s"] = time.perf_counter() - begin
-        state = model.new_state()
+        state = new_state()
         for context in sorted(contexts):
             _prefill(model, ids[state.num_tokens : context], state, chunk)
             begin = time.perf_counter()
@@ -112,6 +117,7 @@ def main() -> None:
     parser.add_argument(
         "--dtype", default="auto", help="auto (bf16 on npu / cuda, fp32 on cpu), bfloat16, float32"
     )
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8", "fp8"))
     args = parser.parse_args()
     if args.measure:
         print(json.dumps(measure(args.measure, args, args.contexts)))
@@ -123,7 +129,7 @@ def main() -> None:
         path = write_tiny(Path(tmp) / "v41", "v41")
         ours = measure(path, args, args.contexts)
         device, dtype = placement(args.device, args.dtype)
-        where = f"{device.type} {str(dtype).removeprefix('torch.')}"
+        where = f"{device.type} {str(dtype).removeprefix('torch.')}, {args.kv_cache_dtype} KV cache"
         threads = torch.get_num_threads()
         print(f"tiny V4.1, one request, chunks of {args.chunk} tokens, {threads} threads, {where}:")
         report("this tree", ours, args.contexts, args.prefill)

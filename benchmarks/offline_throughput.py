@@ -1,15 +1,16 @@
 """Offline throughput of the engine next to transformers on the tiny V4 checkpoint.
 
 ``python -m benchmarks.offline_throughput [--equal 8 128 64] [--requests 64] [--max-tokens 16] [--device D]
-[--dtype T]``
+[--dtype T] [--kv-cache-dtype auto|int8|fp8]``
 
 (a) Output tokens/s of ``LLMEngine`` for equal prompts (8 x 128 tokens, 64 new each by default) next to
     transformers' batched ``DeepseekV4ForCausalLM.generate`` over the same prompts (one ``[8, 128]``
     batch: equal lengths need no padding), both greedy; the ratio, and whether the outputs are identical.
 (b) The same for requests of mixed lengths against transformers' best mode for them: one batch per prompt
     length (its V4 cache has no padding support, so prompts of different lengths cannot share a batch).
-Our engine runs on ``--device`` in ``--dtype``; transformers stays the fp32 CPU reference (outputs in bf16
-need not match it token for token). Both are measured side by side in one run; the numbers are for this
+Our engine runs on ``--device`` in ``--dtype``, its KV cache rows stored as ``--kv-cache-dtype``;
+transformers stays the fp32 CPU reference (outputs in bf16 or over a quantised cache need not match it
+token for token). Both are measured side by side in one run; the numbers are for this
 machine only (the V4.1 decode step against context is ``benchmarks.long_context``).
 """
 
@@ -46,10 +47,11 @@ Placement = tuple[torch.device, torch.dtype]
 
 
 def engine_throughput(
-    path: Path, prompts: list[list[int]], max_tokens: int, place: Placement
+    path: Path, prompts: list[list[int]], max_tokens: int, place: Placement, kv_cache_dtype: str = "auto"
 ) -> tuple[float, list[list[int]]]:
     model = load_model(path, place[1], place[0])
-    engine = LLMEngine(model, load_tokenizer(path), EngineConfig(max_num_batched_tokens=2048))
+    config = EngineConfig(max_num_batched_tokens=2048, kv_cache_dtype=kv_cache_dtype)
+    engine = LLMEngine(model, load_tokenizer(path), config)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     start = time.perf_counter()
     requests = [engine.add_request(p, params) for p in prompts]
@@ -90,15 +92,17 @@ def transformers_throughput(
     return time.perf_counter() - start, outputs
 
 
-def compare(label: str, path: Path, prompts: list[list[int]], max_tokens: int, place: Placement) -> None:
-    ours, our_out = engine_throughput(path, prompts, max_tokens, place)
+def compare(
+    label: str, path: Path, prompts: list[list[int]], max_tokens: int, place: Placement, kv_cache_dtype: str
+) -> None:
+    ours, our_out = engine_throughput(path, prompts, max_tokens, place, kv_cache_dtype)
     theirs, their_out = transformers_throughput(path, prompts, max_tokens)
     ours_rate = sum(map(len, our_out)) / ours
     their_rate = sum(map(len, their_out)) / theirs
     batches = len({len(p) for p in prompts})
     mode = f"{batches} batch{'es' if batches > 1 else ''}, one per prompt length"
     print(f"tiny V4, {label}, {max_tokens} new tokens each, greedy:")
-    where = f"{place[0].type} {str(place[1]).removeprefix('torch.')}"
+    where = f"{place[0].type} {str(place[1]).removeprefix('torch.')}, {kv_cache_dtype} KV cache"
     print(f"  engine        {ours_rate:8.1f} output tok/s ({ours:.1f} s, {where})")
     print(f"  transformers  {their_rate:8.1f} output tok/s ({theirs:.1f} s, {mode}, cpu float32)")
     print(f"  ratio engine / transformers = {ours_rate / their_rate:.2f}")
@@ -111,6 +115,7 @@ def main() -> None:
     parser.add_argument("--equal", type=int, nargs=3, default=[8, 128, 64], metavar=("N", "LEN", "NEW"))
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8", "fp8"))
     placement_arguments(parser)
     args = parser.parse_args()
     place = placement(args.device, args.dtype)
@@ -119,10 +124,11 @@ def main() -> None:
         vocab = load_tokenizer().get_vocab_size()
         count, length, new = args.equal
         equal = equal_prompts(count, length, vocab)
-        compare(f"(a) {count} prompts x {length} tokens", v4, equal, new, place)
+        compare(f"(a) {count} prompts x {length} tokens", v4, equal, new, place, args.kv_cache_dtype)
         if args.requests:
             mixed = mixed_prompts(args.requests, vocab)
-            compare(f"(b) {args.requests} mixed-length requests", v4, mixed, args.max_tokens, place)
+            compare(f"(b) {args.requests} mixed-length requests", v4, mixed, args.max_tokens, place,
+                    args.kv_cache_dtype)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 SPECULATIVE_METHODS = ("mtp", "dspark")
+# How the KV cache stores its rows (model.cache.KV_CACHE_DTYPES, repeated here to keep this module free of
+# torch; a test checks they agree).
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 # vLLM's speculative method names and ours: vLLM calls the V4 MTP layer `deepseek_mtp` or `mtp`.
 SPECULATIVE_ALIASES = {"mtp": "mtp", "deepseek_mtp": "mtp", "dspark": "dspark"}
 
@@ -45,6 +48,11 @@ class EngineConfig:
     block_size: int = _flag(16, "tokens per KV block")
     kv_cache_memory: int = _flag(256 * 2**20, "bytes for the KV cache, e.g. 8GiB or 268435456",
                                  unit="bytes", unset=True)  # fmt: skip
+    kv_cache_dtype: str = _flag("auto", "auto: the compute dtype; int8: NoPE dims int8 with a scale per row, "
+                                "RoPE dims in the compute dtype, int8 index keys; fp8: the same in E4M3 "
+                                "(CUDA and CPU, not Ascend A2/A3)", choices=KV_CACHE_DTYPES)  # fmt: skip
+    engram_offload: bool = _flag(False, "keep the V4.1 Engram tables in (pinned) host memory: each step "
+                                 "copies only the rows it reads to the device")  # fmt: skip
     seed: int = _flag(0, "seeds the requests that bring no seed")
     speculative_method: str | None = _flag(None, "mtp (V4) or dspark (V4.1)", choices=SPECULATIVE_METHODS)
     num_speculative_tokens: int | None = _flag(None, "drafts per step (default: 1 for mtp, the DSpark block)")
@@ -99,6 +107,8 @@ class EngineConfig:
             raise ValueError(f"seed={self.seed} must be in [-2**63, 2**64)")
         if not 0.0 <= self.dspark_min_confidence < 1.0:
             raise ValueError(f"dspark_min_confidence={self.dspark_min_confidence} must be in [0, 1)")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} must be one of {KV_CACHE_DTYPES}")
         if self.speculative_method not in (None, *SPECULATIVE_METHODS):
             raise ValueError(
                 f"speculative_method={self.speculative_method!r} must be one of {SPECULATIVE_METHODS}"

@@ -23,6 +23,7 @@ from engine.parallel.group import Rendezvous
 from engine.parallel.leader import LeaderRunner
 from engine.parallel.processes import Workers, load_ranks
 from engine.spec_decode.proposer import Proposer
+from model.cache import check_kv_cache_device
 from model.causal_lm import CausalLM
 from model.checkpoint import loader_quantization, placement
 from model.parallel.context import ParallelContext
@@ -62,6 +63,7 @@ def start_engine(
     ``plan_memory`` reads to size the KV cache and settle ``max_model_len`` before any weight loads. The
     workers are closed again if anything fails on the way."""
     where, compute_dtype = placement(device, dtype)
+    check_kv_cache_device(config.kv_cache_dtype, where)  # before any weight loads
     quantization = loader_quantization(path, quantization)
     memory = None
     if budget is not None:

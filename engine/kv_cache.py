@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from engine.prefix_cache import Checkpoint, Hit, Page, PrefixCache, cache_salt, check_page_size
-from model.cache import CacheGroup, CacheLayout
+from model.cache import CacheGroup, CacheLayout, check_kv_cache_device
 from model.causal_lm import CausalLM
 
 
@@ -61,7 +61,9 @@ class KVCacheManager:
     def for_model(cls, model: CausalLM, config: EngineConfig, prefix: bool = True) -> KVCacheManager:
         """The cache ``config`` sizes for ``model``'s groups; ``prefix``: with the prefix cache ``config``
         asks for (a tensor-parallel worker's cache mirrors rank 0's tables, so it keeps none)."""
-        layout = CacheLayout.for_model(model.cfg, model.embed.weight.dtype, config.block_size)
+        weight = model.embed.weight
+        check_kv_cache_device(config.kv_cache_dtype, weight.device)
+        layout = CacheLayout.for_model(model.cfg, weight.dtype, config.block_size, config.kv_cache_dtype)
         prefix_cache = _prefix_cache(model, config) if prefix else None
         return cls.from_budget(layout, config.kv_cache_memory, prefix_cache)
 

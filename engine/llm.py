@@ -9,6 +9,8 @@ one prompt or a list. ``SamplingParams(n=K)`` gives K outputs per prompt, output
 from __future__ import annotations
 
 import dataclasses
+import sys
+import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +27,7 @@ from model.chat_profile import select_chat_profile
 from model.tokenizer import prompt_ids
 
 Prompt = str | list[int] | dict[str, Any]
+PROGRESS = "Processed prompts"
 
 
 @dataclass
@@ -174,21 +177,36 @@ class LLM:
         return None, _as_list(prompt, "prompt")
 
     def _add(self, prompt: list[int], params: SamplingParams) -> list[Request]:
-        """The prompt's n sequences: sequence i draws from seed + i."""
-        n, seed = params.n, params.seed
+        """The prompt's n sequences: sequence i draws from seed + i; no max_tokens fills the context."""
+        n, seed, max_tokens = params.n, params.seed, params.max_tokens
+        if max_tokens is None:  # at least one: a prompt that fills the context is refused naming both
+            max_tokens = max(1, self.engine.config.max_model_len - len(prompt))
         return [
             self.engine.add_request(
-                prompt, dataclasses.replace(params, n=1, seed=None if seed is None else seed + i)
+                prompt,
+                dataclasses.replace(
+                    params, n=1, seed=None if seed is None else seed + i, max_tokens=max_tokens
+                ),
             )
             for i in range(n)
         ]
 
     def _run(self, requests: list[Request], use_tqdm: bool) -> None:
-        engine = self.engine
-        with tqdm(total=len(requests), desc="Processed prompts", disable=not use_tqdm) as bar:
+        """Step until done, with a progress bar redrawn at most four times a second on a terminal; where
+        stderr is no terminal (CI logs, pipes) the bar is written once, at the end."""
+        engine, started, live = self.engine, time.monotonic(), sys.stderr.isatty()
+        with tqdm(
+            total=len(requests), desc=PROGRESS, disable=not (use_tqdm and live), mininterval=0.25
+        ) as bar:
             while engine.has_work:
                 engine.step()
                 bar.update(sum(r.finished for r in requests) - bar.n)
+        if use_tqdm and not live:
+            done = sum(r.finished for r in requests)
+            print(
+                tqdm.format_meter(done, len(requests), time.monotonic() - started, prefix=PROGRESS),
+                file=sys.stderr,
+            )
 
     def _output(self, text: str | None, prompt: list[int], requests: list[Request]) -> RequestOutput:
         outputs = []

@@ -228,6 +228,8 @@ class LLMEngine:
         new = detok.add(token)
         may_stop = len(request.output) >= params.min_tokens
         stop_at = _first_stop(detok.text, len(new), params.stop) if may_stop else None
+        if stop_at is not None and params.include_stop_str_in_output:
+            stop_at += len(next(s for s in params.stop if detok.text.startswith(s, stop_at)))
         if stop_at is not None:
             request.stop_text_at = stop_at
             self._finish(request, FinishReason.STOP)

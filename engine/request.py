@@ -31,7 +31,7 @@ class InvalidRequest(ValueError):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: up to the end of the context (LLM.generate), as vLLM
     temperature: float = 1.0
     top_k: int = 0  # 0 = off
     top_p: float = 1.0
@@ -47,6 +47,7 @@ class SamplingParams:
     min_tokens: int = 0  # before this many, neither EOS, a stop token nor a stop string ends the output
     n: int = 1  # outputs per prompt: LLM.generate (and the server) run n sequences of one each
     skip_special_tokens: bool = True  # in the output text
+    include_stop_str_in_output: bool = False  # the text ends after the stop string it stopped at, not before
 
     def __post_init__(self) -> None:
         def need(ok: bool, message: str) -> None:
@@ -63,9 +64,12 @@ class SamplingParams:
             elif name in _NUMBERS:
                 need(isinstance(value, numbers.Real) and not isinstance(value, bool),
                      f"{name}={value!r} must be a number")  # fmt: skip
-        need(self.max_tokens >= 1, f"max_tokens={self.max_tokens} must be at least 1")
+        need(
+            self.max_tokens is None or self.max_tokens >= 1,
+            f"max_tokens={self.max_tokens} must be at least 1",
+        )
         need(1 <= self.n <= 64, f"n={self.n} must be in [1, 64]")
-        need(0 <= self.min_tokens <= self.max_tokens,
+        need(0 <= self.min_tokens <= (self.max_tokens or self.min_tokens),
              f"min_tokens={self.min_tokens} must be in [0, max_tokens={self.max_tokens}]")  # fmt: skip
         need(0.0 <= self.temperature <= 100.0, f"temperature={self.temperature} must be in [0, 100]")
         need(self.top_k >= 0, f"top_k={self.top_k} must be >= 0 (0 disables it)")
@@ -103,8 +107,8 @@ class SamplingParams:
         return self.temperature < 1e-5
 
 
-_INTEGERS = ("max_tokens", "top_k", "min_tokens", "n")
-_OPTIONAL_INTEGERS = ("seed", "logprobs")
+_INTEGERS = ("top_k", "min_tokens", "n")
+_OPTIONAL_INTEGERS = ("max_tokens", "seed", "logprobs")
 _NUMBERS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
 
@@ -149,7 +153,7 @@ class Request:
     finish_reason: FinishReason | None = None
     num_computed: int = 0  # tokens whose KV is in the cache
     arrival: int = 0  # scheduling order (FCFS)
-    stop_text_at: int | None = None  # where a stop string starts in the detokenised output
+    stop_text_at: int | None = None  # where the detokenised output is cut at the stop string it stopped at
     logits_processor: LogitsProcessor | None = None  # applied after the penalties, before sampling
     proposal: Proposal | None = None  # drafts to verify in the next step (speculative decoding)
     error: str | None = None  # why it finished with FinishReason.ERROR

@@ -28,11 +28,21 @@ from triton_kernels.indexer import IndexQueries, KeyPool
 from triton_kernels.sparse_attn import KVPool
 
 
+def index_queries(
+    q: torch.Tensor, weights: torch.Tensor, request: torch.Tensor, visible: torch.Tensor, pool: KeyPool
+) -> IndexQueries:
+    """The indexer's queries in the keys' format: int8 per (token, head) for int8 keys."""
+    if pool.scale is None:
+        return IndexQueries(q, weights, request, visible)
+    codes, scale = quantize_int8(q)
+    return IndexQueries(codes, weights, request, visible, scale)
+
+
 class Indexer(nn.Module):
     """Lightning indexer of a CSA layer: its own compressor over ``x`` and a ReLU-weighted scorer.
 
-    ``int8`` switches to the Ascend format (model-spec §9.4): queries and keys quantised per row,
-    int32 dot products. It is off by default: the float path is the one checked against transformers.
+    In a quantised cache its keys are int8 with a scale per entry (model-spec §9.4): the queries are then
+    quantised per (token, head) and the dots are int8 x int8 -> int32 (``index_queries``).
     """
 
     def __init__(self, cfg: ModelConfig, plan: LayerPlan):
@@ -44,7 +54,6 @@ class Indexer(nn.Module):
         self.compressor = Compressor(
             cfg.hidden_size, self.dim, plan.compress_ratio, cfg.rms_norm_eps, overlap=True
         )
-        self.int8 = False
 
     def compress(self, x: torch.Tensor, batch: Batch, inv_freq: torch.Tensor) -> None:
         """Store the index keys of the groups ``x`` closes in the layer's key pool."""
@@ -58,14 +67,9 @@ class Indexer(nn.Module):
         q = apply_rope(self.wq_b(q_r).view(-1, self.heads, self.dim), batch.positions, inv_freq)
         # The score's d_I^-1/2 and the weights' H^-1/2 are both folded into the head weights.
         weights = self.weights_proj(x).float() * (self.heads * self.dim) ** -0.5
-        visible = batch.visible(self.plan.compress_ratio)
-        keys, table, per_block = batch.key_pool(self.plan.index, self.plan.compress_ratio)
-        if self.int8:
-            (q, q_scale), (keys, k_scale) = quantize_int8(q), quantize_int8(keys)
-            return IndexQueries(q, weights, batch.request, visible, q_scale), KeyPool(
-                keys, table, per_block, k_scale
-            )
-        return IndexQueries(q, weights, batch.request, visible), KeyPool(keys, table, per_block)
+        visible = batch.visible(self.plan.compress_ratio).to(torch.int32)
+        pool = batch.key_pool(self.plan.index, self.plan.compress_ratio)
+        return index_queries(q, weights, batch.request, visible, pool), pool
 
     def scores(
         self, x: torch.Tensor, q_r: torch.Tensor, batch: Batch, inv_freq: torch.Tensor
@@ -114,7 +118,7 @@ class SharedKVAttention(nn.Module):
         """Store the tokens' window keys; each token reads the W newest positions of its request."""
         pool = batch.pools.window[self.plan.index]
         batch.write(pool, batch.window_write, kv)
-        return KVPool(pool, batch.window_read)
+        return pool.attended(batch.window_read)
 
     def output(
         self, q: torch.Tensor, pools: list[KVPool], positions: torch.Tensor, inv_freq: torch.Tensor
@@ -152,5 +156,5 @@ class V4Attention(SharedKVAttention):
                 numbers = self.indexer(x, q_r, batch, inv_freq)
             else:  # HCA: every visible entry
                 numbers = batch.every_visible_entry(ratio)
-            pools.append(KVPool(pool, batch.entry_slots(ratio, numbers)))
+            pools.append(pool.attended(batch.entry_slots(ratio, numbers)))
         return self.output(q, pools, batch.positions, inv_freq)

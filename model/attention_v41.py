@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from model.attention import SharedKVAttention
+from model.attention import SharedKVAttention, index_queries
 from model.cache import Batch
 from model.compressor import Compressor
 from model.config import ModelConfig
@@ -27,7 +27,6 @@ from triton_kernels.custom_ops import (
     indexer_topk_in_candidates,
 )
 from triton_kernels.indexer import IndexQueries, KeyPool
-from triton_kernels.sparse_attn import KVPool
 
 
 @dataclass
@@ -60,13 +59,16 @@ class Indexer41(nn.Module):
         """This layer's indexer queries (the score's scales folded into the weights)."""
         q = apply_rope(self.wq_b(q_r).view(-1, self.heads, self.dim), batch.positions, inv_freq)
         weights = self.weights_proj(x).float() * (self.dim * self.heads) ** -0.5
-        visible = batch.visible(self.plan.compress_ratio)
-        return IndexQueries(q, weights, batch.request, visible)
+        visible = batch.visible(self.plan.compress_ratio).to(torch.int32)
+        return index_queries(q, weights, batch.request, visible, self.key_pool(batch))
+
+    def key_pool(self, batch: Batch) -> KeyPool:
+        return batch.key_pool(self.plan.kv_source, self.plan.compress_ratio)
 
     def select(self, queries: IndexQueries, batch: Batch, published: Published) -> torch.Tensor:
         """Top-k entry numbers of one index source, two-level where planned: ``[T, k]``, ascending."""
         cfg, plan = self.cfg, self.plan
-        pool = KeyPool(*batch.key_pool(plan.kv_source, plan.compress_ratio))
+        pool = self.key_pool(batch)
         k = min(cfg.index_topk, batch.max_entries(plan.compress_ratio))
         if plan.candidates is Candidates.SOURCE:
             picked, published.candidates = indexer_topk_and_candidates(
@@ -105,7 +107,7 @@ class V41Attention(SharedKVAttention):
             published.topk[plan.index] = self.indexer.select(queries, batch, published)
         numbers = published.topk[plan.index_source]
         pools.append(
-            KVPool(batch.pools.entries[plan.kv_source], batch.entry_slots(plan.compress_ratio, numbers))
+            batch.pools.entries[plan.kv_source].attended(batch.entry_slots(plan.compress_ratio, numbers))
         )
         return self.output(q, pools, batch.positions, inv_freq)
 

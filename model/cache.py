@@ -7,6 +7,12 @@ positions (window group) or entry numbers (one compressed group per ratio) to sl
 block tables: slot = block * slots_per_block + offset. The engine's ``KVCacheManager`` hands out
 the blocks; a model used alone (``new_state``) gets a private store that grows on demand, so both
 run the same code. Small per-request state (compressor buffers, Engram look-back) stays dense.
+
+``kv_cache_dtype`` says how a slot holds a row: ``auto`` in the compute dtype; ``int8`` / ``fp8``
+(model-spec §9.4) the NoPE channels of the window keys and compressed entries as int8 / E4M3 codes with
+one fp32 scale per slot, their RoPE channels in the compute dtype, and the index keys as int8 codes with
+a scale (int8 in both quantised modes). ``row_formats`` is the one description of a slot's bytes: the
+group sizes, and the pools' views, are made from it.
 """
 
 from __future__ import annotations
@@ -23,6 +29,13 @@ from model.compressor import CompressorState
 from model.config import ModelConfig
 from model.plan import build_plan
 from triton_kernels.compressor import CompressBatch, CompressorStates
+from triton_kernels.indexer import KeyPool
+from triton_kernels.kv_store import QuantizedRows, store_quantized
+from triton_kernels.sparse_attn import KVPool
+
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")
+CODE_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
+SCALE_BYTES = 4  # one fp32 scale per quantised row
 
 
 @dataclass(frozen=True)
@@ -31,23 +44,79 @@ class CacheGroup:
     ratio: int  # tokens per slot: 1 for the window, the compress ratio otherwise
     bytes_per_slot: int  # over every layer in the group
     window: int | None = None  # sliding: positions older than the last ``window`` are never read again
+    kv_cache_dtype: str = "auto"  # how its rows are stored (``row_formats``)
 
     def slots_needed(self, num_tokens: int) -> int:
         return num_tokens // self.ratio
 
 
-def cache_groups(cfg: ModelConfig, dtype_bytes: int) -> tuple[CacheGroup, ...]:
+@dataclass(frozen=True)
+class RowFormat:
+    """One layer's row of one kind (``kind``: window, entries or index_keys) in a slot of ``group``: its
+    ``width`` channels in the compute dtype, or quantised: an fp32 scale, the last ``rope`` channels in the
+    compute dtype, then the codes of the others, padded to the scale's alignment."""
+
+    kind: str
+    layer: int
+    group: str
+    width: int
+    rope: int
+    dtype_bytes: int
+    codes: torch.dtype | None  # None: the compute dtype
+
+    @property
+    def nbytes(self) -> int:
+        if self.codes is None:
+            return self.width * self.dtype_bytes
+        size = SCALE_BYTES + self.rope * self.dtype_bytes + self.width - self.rope
+        return -(-size // SCALE_BYTES) * SCALE_BYTES
+
+
+def check_kv_cache_dtype(kv_cache_dtype: str) -> None:
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} must be one of {KV_CACHE_DTYPES}")
+
+
+def check_kv_cache_device(kv_cache_dtype: str, device: torch.device | str) -> None:
+    """FP8 codes need a device with E4M3 (CUDA) or the CPU, whose torch conversions are the exact format;
+    Ascend A2/A3 have no FP8: int8 there. ``device``: a device or its type (``npu``)."""
+    check_kv_cache_dtype(kv_cache_dtype)
+    kind = device if isinstance(device, str) else device.type
+    if kv_cache_dtype == "fp8" and kind not in ("cuda", "cpu"):
+        raise ValueError(
+            f"kv_cache_dtype='fp8': the {kind} device has no FP8 (E4M3) support; use 'int8' or 'auto'"
+        )
+
+
+def row_formats(cfg: ModelConfig, dtype_bytes: int, kv_cache_dtype: str = "auto") -> tuple[RowFormat, ...]:
+    """Every layer's rows, in their order within a slot of their group: the window keys of every layer
+    (draft layers included), and each compressing layer's entries, then its index keys where it has an
+    indexer, in the group of its ratio."""
+    check_kv_cache_dtype(kv_cache_dtype)
+    codes = CODE_DTYPES.get(kv_cache_dtype)
+    index_codes = None if codes is None else torch.int8  # index keys are int8 in every quantised mode
+    rope = cfg.qk_rope_head_dim
+    formats = []
+    for p in build_plan(cfg):
+        formats.append(RowFormat("window", p.index, "window", cfg.head_dim, rope, dtype_bytes, codes))
+        if p.has_compressor:
+            name = group_name(p.compress_ratio)
+            formats.append(RowFormat("entries", p.index, name, cfg.head_dim, rope, dtype_bytes, codes))
+            if p.has_indexer:
+                keys = RowFormat("index_keys", p.index, name, cfg.index_head_dim, 0, dtype_bytes, index_codes)
+                formats.append(keys)
+    return tuple(formats)
+
+
+def cache_groups(cfg: ModelConfig, dtype_bytes: int, kv_cache_dtype: str = "auto") -> tuple[CacheGroup, ...]:
     """The window group of every layer (draft layers included), and one compressed group per ratio of
     the compressing layers (their entries, plus index keys where the layer has an indexer)."""
-    plans = build_plan(cfg)
-    groups = [CacheGroup("window", 1, len(plans) * cfg.head_dim * dtype_bytes, cfg.sliding_window)]
-    by_ratio: dict[int, int] = {}
-    for p in plans:
-        if p.has_compressor:
-            width = cfg.head_dim + (cfg.index_head_dim if p.has_indexer else 0)
-            by_ratio[p.compress_ratio] = by_ratio.get(p.compress_ratio, 0) + width * dtype_bytes
-    groups += [CacheGroup(f"compressed_r{r}", r, b) for r, b in sorted(by_ratio.items())]
-    return tuple(groups)
+    sizes: dict[str, int] = {}
+    for row in row_formats(cfg, dtype_bytes, kv_cache_dtype):
+        sizes[row.group] = sizes.get(row.group, 0) + row.nbytes
+    window = CacheGroup("window", 1, sizes.pop("window"), cfg.sliding_window, kv_cache_dtype)
+    by_ratio = sorted((int(name.removeprefix("compressed_r")), b) for name, b in sizes.items())
+    return (window, *(CacheGroup(group_name(r), r, b, None, kv_cache_dtype) for r, b in by_ratio))
 
 
 def block_layout(groups: tuple[CacheGroup, ...], block_size: int) -> tuple[int, dict[str, int]]:
@@ -91,12 +160,42 @@ class CacheLayout:
         return cls(groups, block_size, *block_layout(groups, block_size))
 
     @classmethod
-    def for_model(cls, cfg: ModelConfig, dtype: torch.dtype, block_size: int) -> CacheLayout:
-        return cls.of(cache_groups(cfg, torch.empty(0, dtype=dtype).element_size()), block_size)
+    def for_model(
+        cls, cfg: ModelConfig, dtype: torch.dtype, block_size: int, kv_cache_dtype: str = "auto"
+    ) -> CacheLayout:
+        return cls.of(
+            cache_groups(cfg, torch.empty(0, dtype=dtype).element_size(), kv_cache_dtype), block_size
+        )
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        return self.groups[0].kv_cache_dtype
 
 
 def group_name(ratio: int) -> str:
     return "window" if ratio == 0 else f"compressed_r{ratio}"
+
+
+@dataclass(frozen=True)
+class PoolRows:
+    """One layer's rows of one kind, views of the cache buffer: ``data [num_slots, width]`` in the compute
+    dtype, or quantised (``RowFormat``): ``data`` the codes ``[num_slots, width - rope]``, ``scale
+    [num_slots]`` fp32 and ``rope [num_slots, rope]`` (None for index keys)."""
+
+    data: torch.Tensor
+    scale: torch.Tensor | None = None
+    rope: torch.Tensor | None = None
+
+    def write(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        """Store ``rows [M, width]`` at ``slots [M]``, quantised as the cache keeps them."""
+        if self.scale is None:
+            self.data[slots] = rows.to(self.data.dtype)
+        else:
+            store_quantized(rows, slots, QuantizedRows(self.data, self.scale, self.rope))
+
+    def attended(self, indices: torch.Tensor) -> KVPool:
+        """The rows as sparse attention reads them, at ``indices`` (decoded in the op, never copied)."""
+        return KVPool(self.data, indices, self.scale, self.rope)
 
 
 class KVPools:
@@ -106,11 +205,12 @@ class KVPools:
         self, cfg: ModelConfig, layout: CacheLayout, num_blocks: int, dtype: torch.dtype, device: torch.device
     ):
         elt = torch.empty(0, dtype=dtype).element_size()
-        if layout.groups != cache_groups(cfg, elt):
+        if layout.groups != cache_groups(cfg, elt, layout.kv_cache_dtype):
             raise ValueError(f"layout: groups {layout.groups} are not this model's groups in {dtype}")
         self.cfg, self.layout, self.dtype, self.device = cfg, layout, dtype, device
         self.groups, self.block_size = layout.groups, layout.block_size
         self.block_bytes, self.slots_per_block = layout.block_bytes, layout.slots_per_block
+        # Every group's rows are multiples of the scale's 4 bytes when quantised: the buffer stays typed.
         self._build(torch.zeros(num_blocks, self.block_bytes // elt, dtype=dtype, device=device))
 
     def grow(self, num_blocks: int) -> None:
@@ -120,29 +220,30 @@ class KVPools:
         self._build(buffer)
 
     def _build(self, buffer: torch.Tensor) -> None:
-        cfg, elt = self.cfg, buffer.element_size()
         self.buffer, self.num_blocks = buffer, buffer.shape[0]
-        self.window: dict[int, torch.Tensor] = {}
-        self.entries: dict[int, torch.Tensor] = {}
-        self.index_keys: dict[int, torch.Tensor] = {}
+        self.window: dict[int, PoolRows] = {}
+        self.entries: dict[int, PoolRows] = {}
+        self.index_keys: dict[int, PoolRows] = {}
         # Each group's rows tile every block exactly (``block_layout``), so ``view`` never copies: a pool
-        # is a column range of its group's rows, and writes through it land in the buffer.
-        row_bytes = {name: self.block_bytes // per_block for name, per_block in self.slots_per_block.items()}
-        rows = {name: buffer.view(-1, size // elt) for name, size in row_bytes.items()}
+        # is a byte range of its group's rows, and writes through it land in the buffer.
+        data = buffer.view(torch.uint8)
+        rows = {name: data.view(-1, self.block_bytes // n) for name, n in self.slots_per_block.items()}
         offsets = dict.fromkeys(rows, 0)
-
-        def take(group: str, width: int) -> torch.Tensor:
-            start = offsets[group]
-            offsets[group] += width
-            return rows[group][:, start : start + width]
-
-        for plan in build_plan(cfg):
-            self.window[plan.index] = take("window", cfg.head_dim)
-            if plan.has_compressor:
-                name = group_name(plan.compress_ratio)
-                self.entries[plan.index] = take(name, cfg.head_dim)
-                if plan.has_indexer:
-                    self.index_keys[plan.index] = take(name, cfg.index_head_dim)
+        elt = buffer.element_size()
+        for fmt in row_formats(self.cfg, elt, self.layout.kv_cache_dtype):
+            start = offsets[fmt.group]
+            offsets[fmt.group] += fmt.nbytes
+            record = rows[fmt.group][:, start : start + fmt.nbytes]
+            if fmt.codes is None:
+                pool = PoolRows(record.view(self.dtype))
+            else:
+                rope_end = SCALE_BYTES + fmt.rope * elt
+                scale = record[:, :SCALE_BYTES].view(torch.float32)[:, 0]
+                codes = record[:, rope_end : rope_end + fmt.width - fmt.rope].view(fmt.codes)
+                pool = PoolRows(
+                    codes, scale, record[:, SCALE_BYTES:rope_end].view(self.dtype) if fmt.rope else None
+                )
+            getattr(self, fmt.kind)[fmt.layer] = pool
 
 
 @dataclass
@@ -391,12 +492,12 @@ class Batch:
         """The requests, padding left out."""
         return self.seqs[: len(self.seqs) - self.padding]
 
-    def write(self, pool: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
-        """``pool[slots] = rows``; with ``shape`` slot -1 (padding, or no window closed) is not written."""
-        if self.shape is None:
-            pool[slots] = rows.to(pool.dtype)
+    def write(self, pool: PoolRows, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        """``pool.write``; with ``shape`` slot -1 (padding, or no window closed) is not written."""
+        if self.shape is None or pool.scale is not None:  # the quantised store skips slot -1 itself
+            pool.write(slots, rows)
         else:
-            store_rows(pool, slots, rows)
+            store_rows(pool.data, slots, rows)
 
     def max_entries(self, ratio: int) -> int:
         """Entries of the request that has the most once this call's tokens are in; with ``shape``, what
@@ -431,14 +532,15 @@ class Batch:
         return slots
 
     def store(
-        self, pool: torch.Tensor, ratio: int, request: torch.Tensor, numbers: torch.Tensor, rows: torch.Tensor
+        self, pool: PoolRows, ratio: int, request: torch.Tensor, numbers: torch.Tensor, rows: torch.Tensor
     ) -> None:
         """Write ``rows [E, c]``, entries ``numbers [E]`` of the requests ``request [E]``, into ``pool``."""
         if rows.shape[0]:
             self.write(pool, self._slots_of(group_name(ratio), request, numbers), rows)
 
-    def key_pool(self, layer: int, ratio: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Index keys of compressing ``layer`` as the indexer ops read them: pool, block table, block size.
+    def key_pool(self, layer: int, ratio: int) -> KeyPool:
+        """Index keys of compressing ``layer`` as the indexer ops read them (int8 with their scales in a
+        quantised cache), through the group's block table.
 
         The table stops at the last block holding an entry visible in this call: the ops score every
         column of it, and the tables are padded to the longest group's (the window's) width."""
@@ -446,7 +548,8 @@ class Batch:
         per_block = self.pools.slots_per_block[name]
         blocks = -(-self.max_entries(ratio) // per_block)
         table = self.once(("key_table", ratio), lambda: self.tables[name][:, :blocks].to(torch.int32))
-        return self.pools.index_keys[layer], table, per_block
+        keys = self.pools.index_keys[layer]
+        return KeyPool(keys.data, table, per_block, keys.scale)
 
 
 def store_rows(pool: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
@@ -499,8 +602,17 @@ def _check_tables(tables: dict[str, torch.Tensor], num_blocks: int) -> None:
 class PrivateStore:
     """Blocks for a model used on its own: tables grow on demand and so does the buffer."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, block_size: int = 64):
-        self.pools = KVPools(cfg, CacheLayout.for_model(cfg, dtype, block_size), 16, dtype, device)
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        block_size: int = 64,
+        kv_cache_dtype: str = "auto",
+    ):
+        check_kv_cache_device(kv_cache_dtype, device)
+        layout = CacheLayout.for_model(cfg, dtype, block_size, kv_cache_dtype)
+        self.pools = KVPools(cfg, layout, 16, dtype, device)
         self.next_block = 0
 
     def reserve(self, seq: SeqCache, num_tokens: int) -> None:
@@ -524,8 +636,10 @@ class SequenceState:
     seq: SeqCache
 
     @classmethod
-    def new(cls, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> SequenceState:
-        store = PrivateStore(cfg, dtype, device)
+    def new(
+        cls, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, kv_cache_dtype: str = "auto"
+    ) -> SequenceState:
+        store = PrivateStore(cfg, dtype, device, kv_cache_dtype=kv_cache_dtype)
         return cls(store, SeqCache({g.name: [] for g in store.pools.groups}))
 
     @property

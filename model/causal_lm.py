@@ -29,8 +29,8 @@ class CausalLM(Protocol):
     def official_state(self) -> dict[str, torch.Tensor]:
         """The checkpointed tensors by official name, sharing their storage."""
 
-    def new_state(self) -> SequenceState:
-        """A request served by the model alone (its KV in a private store)."""
+    def new_state(self, kv_cache_dtype: str = "auto") -> SequenceState:
+        """A request served by the model alone (its KV in a private store, as ``kv_cache_dtype``)."""
 
     def batch_forward(
         self, ids: torch.Tensor, batch: Batch, rows: torch.Tensor

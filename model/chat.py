@@ -5,7 +5,8 @@ that of the official encoders, quirks included, so prompts look like what the mo
 consecutive user and tool messages merge into one user turn, and in thinking mode with dropping, developer
 messages before the last user turn are left out like the reasoning of earlier assistant turns. Every
 defect in a request raises ChatFormatError naming the offending field (the server answers 400); nothing is
-silently repaired or ignored.
+silently repaired or ignored. A lenient caller (the server, as vLLM) first passes the messages through
+`known_fields`, which drops the fields the encoding has no place for and names them.
 """
 
 from __future__ import annotations
@@ -48,6 +49,11 @@ _ALLOWED_FIELDS = {
     "assistant": {"role", "content", "reasoning_content", "reasoning", "tool_calls", "name"},
     "tool": {"role", "content", "tool_call_id", "name"},
 }
+
+# Content part types that carry text (OpenAI's chat, its Responses API, an assistant's refusal), with the
+# key that holds it: each is read as a text part, as vLLM reads them.
+TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
+_CALL_FIELDS, _FUNCTION_FIELDS = {"id", "type", "function"}, {"name", "arguments"}
 
 
 class ChatFormatError(ValueError):
@@ -106,6 +112,12 @@ def dumps(value: Any) -> str:
 
 
 def _check_reserved(text: str, where: str) -> str:
+    """`text` if the prompt may hold it: valid Unicode (JSON inside a tool call's arguments can still carry a
+    lone surrogate such as "\\ud800") without the encoding's reserved strings."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        raise ChatFormatError(where, "is not valid Unicode (a lone surrogate)") from None
     for fragment in RESERVED_FRAGMENTS:
         if fragment in text:
             raise ChatFormatError(where, f"contains the reserved string {fragment!r}")
@@ -124,6 +136,52 @@ def _json_section(value: Any, where: str) -> str:
     except (TypeError, ValueError) as err:  # NaN, cycles, non-JSON types from a lenient API decoder
         raise ChatFormatError(where, f"is not serializable as strict JSON ({err})") from None
     return _check_reserved(text, where)
+
+
+def known_fields(messages: Any) -> tuple[Any, list[str]]:
+    """`messages` without the fields the encoding has no place for (OpenAI's `refusal` and `annotations`, a
+    client's `cache_control`, the `index` of a streamed tool call), its text parts of every kind as text
+    parts, and the names of what was dropped (`messages[].cache_control`). A null field is an unset one and
+    is dropped unnamed. Anything that is not of the expected shape is kept, for encode_messages to refuse."""
+    ignored: set[str] = set()
+
+    def keep(obj: Any, allowed: set[str], where: str) -> Any:
+        if not isinstance(obj, dict):
+            return obj
+        ignored.update(
+            f"{where}.{key}" for key, value in obj.items() if key not in allowed and value is not None
+        )
+        return {key: value for key, value in obj.items() if key in allowed and value is not None}
+
+    def part(block: Any) -> Any:
+        kind = block.get("type") if isinstance(block, dict) else None
+        key = TEXT_PARTS.get(kind) if isinstance(kind, str) else None  # a list or an object is no type
+        if key is None or key not in block:
+            return block
+        ignored.update(f"messages[].content[].{k}" for k in block if k not in ("type", key))
+        return {"type": "text", "text": block[key]}
+
+    def call(item: Any) -> Any:
+        item = keep(item, _CALL_FIELDS, "messages[].tool_calls[]")
+        if isinstance(item, dict) and "function" in item:
+            item["function"] = keep(item["function"], _FUNCTION_FIELDS, "messages[].tool_calls[].function")
+        return item
+
+    if not isinstance(messages, list):
+        return messages, []
+    kept = []
+    for msg in messages:
+        role = msg.get("role") if isinstance(msg, dict) else None
+        if not isinstance(role, str) or role not in _ALLOWED_FIELDS:
+            kept.append(msg)
+            continue
+        msg = keep(msg, _ALLOWED_FIELDS[role], "messages[]")
+        if isinstance(msg.get("content"), list):
+            msg["content"] = [part(block) for block in msg["content"]]
+        if isinstance(msg.get("tool_calls"), list):
+            msg["tool_calls"] = [call(item) for item in msg["tool_calls"]]
+        kept.append(msg)
+    return kept, sorted(ignored)
 
 
 def _text(content: Any, where: str) -> str:

@@ -263,12 +263,19 @@ def load_model(
     device: str | torch.device = "cpu",
     quantization: str = "auto",
     parallel: ParallelContext | None = None,
+    engram_offload: bool = False,
 ) -> CausalLM:
     """The checkpoint's model on ``device``, computing in ``dtype`` (fp32 or bf16; the tensors of
     model-spec §9.1 stay fp32), its quantised weights kept as ``quantization`` says; with ``parallel``
-    over several ranks, this rank's share only, read from the checkpoint as slices."""
+    over several ranks, this rank's share only, read from the checkpoint as slices. ``engram_offload``
+    keeps the V4.1 Engram tables in host memory (pinned on an accelerator): each lookup gathers its rows
+    there and copies only those to ``device``."""
     model, stored, shard = plan_shard(path, dtype, quantization, parallel)
     model = model.to_empty(device=device)
+    if engram_offload:
+        for module in model.modules():
+            if isinstance(module, Engram):
+                module.keep_table_on_host(pin=torch.device(device).type != "cpu")
     with torch.no_grad():
         stream_weights(stored, model.official_state(), model.cfg.fp8_block, shard)
     model.init_buffers()

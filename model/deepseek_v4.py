@@ -101,9 +101,9 @@ class DeepseekV4(nn.Module):
         """The checkpointed tensors by official name, sharing their storage (the loader fills them)."""
         return {_official(name): t for name, t in self.state_dict().items()}
 
-    def new_state(self) -> SequenceState:
-        """A request served by the model alone (its KV in a private store)."""
-        return SequenceState.new(self.cfg, self.embed.weight.dtype, self.embed.weight.device)
+    def new_state(self, kv_cache_dtype: str = "auto") -> SequenceState:
+        """A request served by the model alone (its KV in a private store, as ``kv_cache_dtype``)."""
+        return SequenceState.new(self.cfg, self.embed.weight.dtype, self.embed.weight.device, kv_cache_dtype)
 
     def hidden_streams(self, ids: torch.Tensor, state: SequenceState | None = None) -> torch.Tensor:
         """Backbone streams before ``hc_head`` (the MTP input): ``[S, n, D]``.

@@ -89,9 +89,9 @@ class DeepseekV41(nn.Module):
         """The checkpointed tensors (official names are the module names here), sharing their storage."""
         return self.state_dict()
 
-    def new_state(self) -> SequenceState:
-        """A request served by the model alone (its KV in a private store)."""
-        return SequenceState.new(self.cfg, self.embed.weight.dtype, self.embed.weight.device)
+    def new_state(self, kv_cache_dtype: str = "auto") -> SequenceState:
+        """A request served by the model alone (its KV in a private store, as ``kv_cache_dtype``)."""
+        return SequenceState.new(self.cfg, self.embed.weight.dtype, self.embed.weight.device, kv_cache_dtype)
 
     def run(self, ids: torch.Tensor, state: SequenceState | None = None) -> Forward41:
         """The backbone over ``ids [S]``: from position 0 without a state, continuing it with one."""

@@ -229,6 +229,17 @@ class Engram(nn.Module):
         """Hold the bucket table as stored FP8 bytes (the loader calls it on ``meta``)."""
         self.embed = Fp8Table(*self.embed.weight.shape, block)
 
+    def keep_table_on_host(self, pin: bool) -> None:
+        """Hold the bucket table (its tensors still unfilled) in host memory, pinned when the model
+        computes on an accelerator, so that the copies of the rows a lookup reads run asynchronously."""
+        embed = self.embed
+        for name, t in [*embed.named_parameters(recurse=False), *embed.named_buffers(recurse=False)]:
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
+            if isinstance(t, nn.Parameter):
+                setattr(embed, name, nn.Parameter(host, requires_grad=False))
+            else:
+                embed.register_buffer(name, host)
+
     def forward(self, x: torch.Tensor, ids: torch.Tensor, dead: torch.Tensor | None = None) -> torch.Tensor:
         """``x`` [S, n, D] streams, ``ids`` [S, cols] this layer's bucket ids, ``dead`` [S] bool -> like x."""
         n, d = self.q_weight.shape

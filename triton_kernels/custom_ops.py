@@ -310,18 +310,19 @@ def _sparse_attention(
     kv: list[Tensor],
     indices: list[Tensor],
     kv_scales: list[Tensor | None],
+    kv_ropes: list[Tensor | None],
     sink: Tensor,
     scale: float,
     positions: Tensor | None,
     inv_freq: Tensor | None,
 ) -> tuple[Tensor, Tensor]:
-    pools = [KVPool(*parts) for parts in zip(kv, indices, kv_scales, strict=True)]
+    pools = [KVPool(*parts) for parts in zip(kv, indices, kv_scales, kv_ropes, strict=True)]
     out, lse = sparse_attn.sparse_attention(q, pools, sink, scale, positions, inv_freq)
     return out, lse
 
 
 @_sparse_attention.register_fake
-def _(q, kv, indices, kv_scales, sink, scale, positions, inv_freq):
+def _(q, kv, indices, kv_scales, kv_ropes, sink, scale, positions, inv_freq):
     return torch.empty_like(q), _like(q, *q.shape[:2], dtype=torch.float32)
 
 
@@ -334,7 +335,12 @@ def sparse_attention(
     inv_freq: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     if tracing():
-        parts = [[p.kv for p in pools], [p.indices for p in pools], [p.scale for p in pools]]
+        parts = [
+            [p.kv for p in pools],
+            [p.indices for p in pools],
+            [p.scale for p in pools],
+            [p.rope for p in pools],
+        ]
         return _sparse_attention(q, *parts, sink, scale, positions, inv_freq)
     return sparse_attn.sparse_attention(q, pools, sink, scale, positions, inv_freq)
 

@@ -7,7 +7,8 @@ Layout
     its visible entry count ``visible [T]`` int32 (entries ``j < visible[t]``; ``(pos + 1) // ratio``
     for a compressed layer). A decode batch is one token per request.
     ``KeyPool``: the flat paged indexer-key pool ``keys [num_slots, D]`` (fp32 / bf16, or int8 with a
-    per-slot ``scale [num_slots]``; scales are ``>= 0``, as ``quant.quantize_int8`` makes them),
+    per-slot ``scale [num_slots]``; scales are ``>= 0``, as ``quant.quantize_int8`` makes them; keys and
+    scales may be column ranges of a wider buffer, read at their row stride),
     ``block_table [R, max_blocks]`` int32 (``-1`` unused) and ``block_size``: entry ``j`` of request
     ``r`` lives at slot ``block_table[r, j // block_size] * block_size + j % block_size``. A slot list
     is the ``block_size = 1`` case; ``KeyPool.dense`` wraps one request's keys ``[E, D]``. Queries and
@@ -322,6 +323,7 @@ def _score_keys(
     valid,
     D,
     key_stride,
+    scale_stride,
     QUANT: tl.constexpr,
     DP: tl.constexpr,
 ):
@@ -335,7 +337,9 @@ def _score_keys(
         # relu(qs * ks * dot) = qs * ks * relu(dot): both scales are >= 0.
         dots = tl.dot(q, tl.trans(keys), out_dtype=tl.int32).to(tl.float32)
         logits = tl.sum(tl.maximum(dots, 0.0) * w[:, None], axis=0)
-        logits = logits * tl.load(ks_ptr + slot, mask=valid, other=0.0)  # in-bounds: slot clamped
+        logits = logits * tl.load(
+            ks_ptr + slot * scale_stride, mask=valid, other=0.0
+        )  # in-bounds: slot clamped
     else:
         # ieee: the tf32 default on GPUs would cost ~1e-3 relative error in the logits.
         dots = tl.dot(q, tl.trans(keys.to(tl.float32)), input_precision="ieee")
@@ -358,6 +362,7 @@ def _indexer_logits_kernel(
     H,
     D,
     key_stride,
+    scale_stride,
     block_size,
     max_blocks,
     width,
@@ -373,7 +378,9 @@ def _indexer_logits_kernel(
         q, w = _load_query(q_ptr, qs_ptr, w_ptr, t, H, D, QUANT, HP, DP)
         table_row = table_ptr + tl.load(req_ptr + t) * max_blocks
         valid = pos < tl.load(vis_ptr + t)
-        logits = _score_keys(q, w, k_ptr, ks_ptr, table_row, block_size, pos, valid, D, key_stride, QUANT, DP)
+        logits = _score_keys(
+            q, w, k_ptr, ks_ptr, table_row, block_size, pos, valid, D, key_stride, scale_stride, QUANT, DP
+        )
         tl.store(out_ptr + t * width + pos, logits, mask=pos < width)
 
 
@@ -395,6 +402,7 @@ def _indexer_topk_kernel(
     H,
     D,
     key_stride,
+    scale_stride,
     block_size,
     max_blocks,
     n_cand,
@@ -429,7 +437,7 @@ def _indexer_topk_kernel(
                 pos = c
                 valid = c < n
             logits = _score_keys(
-                q, w, k_ptr, ks_ptr, table_row, block_size, pos, valid, D, key_stride, QUANT, DP
+                q, w, k_ptr, ks_ptr, table_row, block_size, pos, valid, D, key_stride, scale_stride, QUANT, DP
             )
             tl.store(row + c, logits, mask=c < n)
         tl.debug_barrier()  # logits are written before any lane selects from them
@@ -449,7 +457,7 @@ def _operands(queries: IndexQueries, pool: KeyPool) -> tuple[torch.Tensor, ...]:
     # Without scales (float path) the kernels never read them; the weights stand in.
     w = queries.weights.contiguous()
     qs = w if queries.scale is None else queries.scale.contiguous()
-    ks = w if pool.scale is None else pool.scale.contiguous()
+    ks = w if pool.scale is None else pool.scale  # read at its stride (a column of the cache buffer)
     # The key pool is a column range of the cache buffer: its rows are read at their stride, never copied.
     keys = pool.keys if pool.keys.stride(1) == 1 else pool.keys.contiguous()
     return (
@@ -484,6 +492,7 @@ def indexer_logits_triton(queries: IndexQueries, pool: KeyPool) -> torch.Tensor:
             h,
             d,
             operands[3].stride(0),
+            operands[4].stride(0),
             pool.block_size,
             pool.block_table.shape[1],
             width,
@@ -526,6 +535,7 @@ def _launch_topk(
         h,
         d,
         operands[3].stride(0),
+        operands[4].stride(0),
         pool.block_size,
         pool.block_table.shape[1],
         n_cand,
@@ -608,9 +618,9 @@ def _signature(x: str, outputs: dict[str, str], ints: tuple[str, ...]) -> dict[s
     return {**operands, **_INDEX, **outputs, **dict.fromkeys(ints, "i32")}
 
 
-_LOGITS_INTS = ("T", "H", "D", "key_stride", "block_size", "max_blocks", "width")
+_LOGITS_INTS = ("T", "H", "D", "key_stride", "scale_stride", "block_size", "max_blocks", "width")
 _TOPK_OUT = {"cand_ptr": "*i32", "scratch_ptr": "*fp32", "out_ptr": "*i32", "blocks_out_ptr": "*i32"}
-_TOPK_INTS = (*_LOGITS_INTS[:6], "n_cand", "width", "K", "KB")
+_TOPK_INTS = (*_LOGITS_INTS[:7], "n_cand", "width", "K", "KB")
 _FIXED = {"HP": _HP, "DP": _DP}
 _VARIANTS = ((("*fp32", "*bf16"), _LOGITS_FLOAT, _TOPK_FLOAT), (("*i8",), _LOGITS_INT8, _TOPK_INT8))
 

@@ -4,16 +4,20 @@ Contract
     ``sparse_attention(q [T, H, D], pools, sink [H] fp32, scale, positions=None, inv_freq=None)
     -> (out [T, H, D] dtype of q, lse [T, H] fp32)``. ``q`` is fp32 or bf16. ``pools`` holds one or
     two ``KVPool`` (the sliding window, then the compressed entries): a flat pool ``kv [num_slots, D]``
-    (fp32 / bf16, or int8 with a per-slot ``scale [num_slots]`` fp32, the Ascend cache format; int8 for
-    every pool or none) and each query's global slot ids ``indices [T, K]`` (int32 / int64, ``-1`` =
-    invalid, ``K`` may differ per pool and be 0). Keys are the values. Over the valid slots of both
+    (fp32 / bf16) or a quantised one (model-spec §9.4, ``kv_store``): ``kv [num_slots, N]`` the codes of
+    the first ``N`` (NoPE) channels (int8, or float8_e4m3fn where the device has it), a per-slot
+    ``scale [num_slots]`` fp32 and the last ``D - N >= 1`` (RoPE) channels ``rope [num_slots, D - N]``
+    (fp32 / bf16); quantised for every pool or none, any row stride (column ranges of the cache). Each
+    query's global slot ids ``indices [T, K]`` (int32 / int64, ``-1`` = invalid, ``K`` may differ per
+    pool and be 0). Keys are the values. Over the valid slots of both
     pools, with ``s_j = scale * q_h . kv_j``: ``lse = log sum_j exp(s_j)`` (the sink excluded, as in
     FlashMLA; ``-inf`` for a row without valid slot) and ``out = sum_j exp(s_j - lse) kv_j *
     sigmoid(lse - sink_h)``, i.e. the softmax whose denominator also holds ``exp(sink_h)``; a row
     without valid slot gives zeros. ``sink_h`` is finite or ``-inf`` (plain softmax). With
     ``positions [T]`` and ``inv_freq [P]`` the output's last ``2P`` channels are de-rotated at each
     query's position (``apply_rope(..., inverse=True)``, a pass over those channels only); ``D`` is then
-    even. int8 pools are compared against their dequantised reference (``kv * scale``).
+    even. Quantised pools are compared against their dequantised rows (``kv * scale``, then ``rope``):
+    the reference decodes the gathered rows only, the kernel decodes each tile in registers.
     Limits: ``H <= MAX_HEADS``, ``D <= MAX_DIM``, every tensor under 2**31 elements (int32 offsets).
 
 Kernels
@@ -58,7 +62,7 @@ import triton
 import triton.language as tl
 
 from triton_kernels import runtime, tuning
-from triton_kernels.quant import dequantize_int8
+from triton_kernels.kv_store import CODE_DTYPES, QuantizedRows
 from triton_kernels.rope import apply_rope_ref, rotate_rope_channels_triton
 from triton_kernels.shared import gather_rows, take_rows
 from triton_kernels.spec import TuneConfig, Variant
@@ -66,7 +70,8 @@ from triton_kernels.spec import TuneConfig, Variant
 MAX_HEADS = 128
 MAX_DIM = 512
 _Q_DTYPES = (torch.float32, torch.bfloat16)
-_KV_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16)
+_KV_DTYPES = (*_FLOAT_DTYPES, *CODE_DTYPES)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _MAX_NUMEL = 2**31 - 1  # offsets are int32 inside the kernels
 _NEG = tl.constexpr(-1.0e30)  # finite running-max sentinel
@@ -75,9 +80,18 @@ MAX_HEAD_TILE = 64  # heads per task: 128 would need a [128, BLOCK_N] score tile
 
 @dataclass(frozen=True)
 class KVPool:
-    kv: torch.Tensor  # [num_slots, D] fp32 | bf16 | int8
+    kv: torch.Tensor  # [num_slots, D] fp32 | bf16, or the NoPE codes [num_slots, N] int8 | float8_e4m3fn
     indices: torch.Tensor  # [T, K] int32 | int64: global slot ids, -1 = invalid
-    scale: torch.Tensor | None = None  # [num_slots] fp32, int8 pools only
+    scale: torch.Tensor | None = None  # [num_slots] fp32, quantised pools only
+    rope: torch.Tensor | None = None  # [num_slots, D - N] fp32 | bf16, quantised pools only
+
+    @property
+    def quantized(self) -> bool:
+        return self.kv.dtype in CODE_DTYPES
+
+    @property
+    def width(self) -> int:
+        return self.kv.shape[1] + (0 if self.rope is None else self.rope.shape[1])
 
 
 def sparse_attention(
@@ -108,34 +122,45 @@ def _validate(
         raise ValueError(f"q: shape {tuple(q.shape)} needs 1 <= H <= {MAX_HEADS} and 1 <= D <= {MAX_DIM}")
     if not 1 <= len(pools) <= 2:
         raise ValueError(f"pools: {len(pools)} given, expected 1 or 2 (window, compressed)")
-    quant = pools[0].kv.dtype == torch.int8
+    quant = pools[0].quantized
     for i, pool in enumerate(pools):
-        kv, idx, kv_scale = pool.kv, pool.indices, pool.scale
-        if (
-            kv.dtype not in _KV_DTYPES
-            or kv.dim() != 2
-            or kv.shape[1] != d
-            or (kv.dtype == torch.int8) != quant
+        kv, idx, kv_scale, rope = pool.kv, pool.indices, pool.scale, pool.rope
+        float_width = not quant and kv.dim() == 2 and kv.shape[1] != d
+        if kv.dtype not in _KV_DTYPES or kv.dim() != 2 or pool.quantized != quant or float_width:
+            raise ValueError(
+                f"pools[{i}].kv: {kv.dtype} {tuple(kv.shape)} must be [num_slots, {d}] of {_FLOAT_DTYPES} or"
+                f" codes [num_slots, N < {d}] of {CODE_DTYPES}, quantised for every pool or for none"
+            )
+        if (rope is not None) != quant or pool.width != d or kv.shape[1] != pools[0].kv.shape[1]:
+            raise ValueError(
+                f"pools[{i}]: rows of {pool.width} channels (rope given: {rope is not None}) must have {d},"
+                " the last in rope exactly for a quantised pool, as many in rope for every pool"
+            )
+        if rope is not None and (
+            rope.dtype not in _FLOAT_DTYPES or rope.shape[0] != kv.shape[0] or not 1 <= rope.shape[1] < d
         ):
             raise ValueError(
-                f"pools[{i}].kv: {kv.dtype} {tuple(kv.shape)} must be [num_slots, {d}] of {_KV_DTYPES},"
-                " int8 for every pool or for none"
+                f"pools[{i}].rope: {rope.dtype} {tuple(rope.shape)} must be [{kv.shape[0]}, D - N >= 1] of"
+                f" {_FLOAT_DTYPES}"
             )
         if idx.dtype not in _INDEX_DTYPES or idx.dim() != 2 or idx.shape[0] != t:
             raise ValueError(
                 f"pools[{i}].indices: {idx.dtype} {tuple(idx.shape)} must be [{t}, K] of {_INDEX_DTYPES}"
             )
-        if (kv_scale is not None) != (kv.dtype == torch.int8):
-            raise ValueError(f"pools[{i}].scale: must be given exactly when kv is int8 (kv is {kv.dtype})")
+        if (kv_scale is not None) != quant:
+            raise ValueError(
+                f"pools[{i}].scale: must be given exactly when kv is quantised (kv is {kv.dtype})"
+            )
         if kv_scale is not None and (kv_scale.dtype != torch.float32 or kv_scale.shape != kv.shape[:1]):
             raise ValueError(
                 f"pools[{i}].scale: {kv_scale.dtype} {tuple(kv_scale.shape)} must be float32 ({kv.shape[0]},)"
             )
-        for name, x in (("kv", kv), ("indices", idx), ("scale", kv_scale)):
+        for name, x in (("kv", kv), ("indices", idx), ("scale", kv_scale), ("rope", rope)):
             if x is not None and x.device != q.device:
                 raise ValueError(f"pools[{i}].{name}: device {x.device} differs from q's device {q.device}")
-            if x is not None and x.numel() > _MAX_NUMEL:
-                raise ValueError(f"pools[{i}].{name}: {x.numel()} elements exceeds the limit {_MAX_NUMEL}")
+            if x is not None and x.shape[0] * x.stride(0) > _MAX_NUMEL:
+                extent = x.shape[0] * x.stride(0)
+                raise ValueError(f"pools[{i}].{name}: {extent} elements exceeds the limit {_MAX_NUMEL}")
     if sink.dtype != torch.float32 or sink.shape != (h,) or sink.device != q.device:
         raise ValueError(
             f"sink: {sink.dtype} {tuple(sink.shape)} on {sink.device} must be float32 ({h},) on {q.device}"
@@ -190,8 +215,12 @@ def sparse_attention_ref(
     scores, values = [], []
     for pool in pools:
         slots = pool.indices.clamp(min=0).long()
-        kv = take_rows(pool.kv, slots)  # [T, K, D]: only the rows read, before any dequantisation
-        gathered = kv.float() if pool.scale is None else dequantize_int8(kv, take_rows(pool.scale, slots))
+        if pool.quantized:  # only the rows read are decoded
+            gathered = QuantizedRows(pool.kv, pool.scale, pool.rope).dequantized(slots)
+            # An invalid slot reads slot 0, whose bytes may be another group's (NaN as a scale): zeroed.
+            gathered = gathered.masked_fill((pool.indices < 0)[..., None], 0.0)
+        else:
+            gathered = take_rows(pool.kv, slots).float()
         s = torch.bmm(q.float(), gathered.transpose(1, 2)) * scale
         scores.append(s.masked_fill((pool.indices < 0)[:, None, :], float("-inf")))
         values.append(gathered)
@@ -214,50 +243,29 @@ def _operand(x, BF16_DOT: tl.constexpr):
 
 
 @triton.jit
-def _tile_slots(idx_ptr, ks_ptr, j0, hi, QUANT: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The key tile ``idx[j0:j0 + BLOCK_N]`` (cut at ``hi``): whether each slot is valid, a row id valid for
-    every lane (-1 slots read row 0) and the slots' int8 scale (1 for float pools).
-
-    K = V = int8 * per-slot scale: the scale multiplies the scores and the probabilities."""
+def _tile_slots(idx_ptr, j0, hi, BLOCK_N: tl.constexpr):
+    """The key tile ``idx[j0:j0 + BLOCK_N]`` (cut at ``hi``): whether each slot is valid and a row id valid
+    for every lane (-1 slots read row 0)."""
     j = j0 + tl.arange(0, BLOCK_N)
     slot = tl.load(idx_ptr + j, mask=j < hi, other=-1)
     valid = slot.to(tl.float32) >= 0  # the sign, exact in fp32: ordered int compares run on the scalar unit
-    row = tl.where(valid, slot, 0)
-    if QUANT:
-        weight = tl.load(ks_ptr + row, mask=valid, other=0.0)  # in-bounds: -1 slots read row 0
-    else:
-        weight = tl.full([BLOCK_N], 1.0, tl.float32)
-    return valid, row, weight
+    return valid, tl.where(valid, slot, 0)
 
 
 @triton.jit
-def _tile(
-    i,
-    n0,
-    lo0,
-    hi0,
-    idx0_ptr,
-    ks0_ptr,
-    lo1,
-    hi1,
-    idx1_ptr,
-    ks1_ptr,
-    width0,
-    QUANT: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
+def _tile(i, n0, lo0, hi0, idx0_ptr, lo1, hi1, idx1_ptr, width0, BLOCK_N: tl.constexpr):
     """Key tile ``i`` of a task, the window's ``n0`` tiles then the compressed pool's: whether it is the
     window's, its slots (``_tile_slots``), its page (``_page``) and its workspace columns (the compressed
     pool's follow ``width0``)."""
     first = i < n0
     if first:
         j0 = lo0 + i * BLOCK_N
-        valid, row, weight = _tile_slots(idx0_ptr, ks0_ptr, j0, hi0, QUANT, BLOCK_N)
+        valid, row = _tile_slots(idx0_ptr, j0, hi0, BLOCK_N)
     else:
         j0 = lo1 + (i - n0) * BLOCK_N
-        valid, row, weight = _tile_slots(idx1_ptr, ks1_ptr, j0, hi1, QUANT, BLOCK_N)
+        valid, row = _tile_slots(idx1_ptr, j0, hi1, BLOCK_N)
         j0 += width0
-    return first, valid, row, weight, _page(valid, row, BLOCK_N), j0 + tl.arange(0, BLOCK_N)
+    return first, valid, row, _page(valid, row, BLOCK_N), j0 + tl.arange(0, BLOCK_N)
 
 
 @triton.jit
@@ -271,21 +279,58 @@ def _page(valid, row, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _pool_rows(
+    kv_ptr, ks_ptr, rope_ptr, S, SS, SR, row, valid, d, D, N, QUANT: tl.constexpr, DP: tl.constexpr
+):
+    """The channels ``d`` of rows ``row`` of one pool, fp32 or as stored: a quantised row is decoded here,
+    its NoPE codes times the slot's scale, then its RoPE channels."""
+    if QUANT:
+        codes = gather_rows(kv_ptr, row, valid, d, N, S, False).to(tl.float32)
+        scale = tl.load(ks_ptr + row * SS, mask=valid, other=0.0)  # in-bounds: rows clamped by the caller
+        # The NoPE channels read RoPE column 0, the RoPE ones past D its last: both discarded.
+        rope_cols = tl.minimum(tl.maximum(d - N, 0), D - N - 1)
+        rope = gather_rows(rope_ptr, row, valid, rope_cols, D - N, SR, True)
+        rows = tl.where((d < N)[None, :], codes * scale[:, None], rope.to(tl.float32))
+    else:
+        rows = gather_rows(kv_ptr, row, valid, d, D, S, D == DP)
+    return rows
+
+
+@triton.jit
 def _tile_rows(
-    first, page, kv0_ptr, S0, kv1_ptr, S1, row, valid, d, D, DP: tl.constexpr, BF16_DOT: tl.constexpr
+    first,
+    page,
+    kv0_ptr,
+    ks0_ptr,
+    rope0_ptr,
+    S0,
+    SS0,
+    SR0,
+    kv1_ptr,
+    ks1_ptr,
+    rope1_ptr,
+    S1,
+    SS1,
+    SR1,
+    row,
+    valid,
+    d,
+    D,
+    N,
+    QUANT: tl.constexpr,
+    DP: tl.constexpr,
+    BF16_DOT: tl.constexpr,
 ):
     """The channels ``d`` of a key tile's rows, from its pool: branches, as a select between two base
     pointers crashes Ascend's adapter (and the pools may differ in dtype). A page of the window is one
     strided block; the compressed pool's slots, picked by top-k, are gathered."""
     if first:
         if page != -1:
-            rows = gather_rows(kv0_ptr, page + tl.arange(0, row.shape[0]), valid, d, D, S0, D == DP)
-        else:
-            rows = gather_rows(kv0_ptr, row, valid, d, D, S0, D == DP)
-        rows = _operand(rows, BF16_DOT)
+            row = page + tl.arange(0, row.shape[0])
+        rows = _pool_rows(kv0_ptr, ks0_ptr, rope0_ptr, S0, SS0, SR0, row, valid, d, D, N, QUANT, DP)
     else:
-        rows = _operand(gather_rows(kv1_ptr, row, valid, d, D, S1, D == DP), BF16_DOT)
-    return rows
+        rows = _pool_rows(kv1_ptr, ks1_ptr, rope1_ptr, S1, SS1, SR1, row, valid, d, D, N, QUANT, DP)
+    return _operand(rows, BF16_DOT)
 
 
 @triton.jit
@@ -308,9 +353,11 @@ def _sparse_attn_kernel(
     q_ptr,
     kv0_ptr,
     ks0_ptr,
+    rope0_ptr,
     idx0_ptr,
     kv1_ptr,
     ks1_ptr,
+    rope1_ptr,
     idx1_ptr,
     sink_ptr,
     out_ptr,
@@ -325,6 +372,11 @@ def _sparse_attn_kernel(
     K1,
     S0,
     S1,
+    SS0,
+    SS1,
+    SR0,
+    SR1,
+    N,
     scale,
     QUANT: tl.constexpr,
     BF16_DOT: tl.constexpr,
@@ -344,6 +396,7 @@ def _sparse_attn_kernel(
     width0 = tl.cdiv(K0, BLOCK_N) * BLOCK_N
     width = width0 + tl.cdiv(K1, BLOCK_N) * BLOCK_N
     ws = ws_ptr + (tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H))[:, None] * width
+    pools = (kv0_ptr, ks0_ptr, rope0_ptr, S0, SS0, SR0, kv1_ptr, ks1_ptr, rope1_ptr, S1, SS1, SR1)
     for task in range(tl.program_id(0), T * head_tiles * SPLITS, tl.num_programs(0)):
         split = task % SPLITS
         t = task // SPLITS // head_tiles
@@ -364,9 +417,7 @@ def _sparse_attn_kernel(
         # Pass 1: the scores of each key tile, contracted over slices of DS channels (the query in its
         # natural layout), to the workspace; the running max and sum of exponentials.
         for i in range(0, n_tiles):
-            first, valid, row, weight, page, col = _tile(
-                i, n0, lo0, hi0, idx0, ks0_ptr, lo1, hi1, idx1, ks1_ptr, width0, QUANT, BLOCK_N
-            )
+            first, valid, row, page, col = _tile(i, n0, lo0, hi0, idx0, lo1, hi1, idx1, width0, BLOCK_N)
             s = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
             for d0 in range(0, D, DS):
                 d = d0 + tl.arange(0, DS)
@@ -374,10 +425,10 @@ def _sparse_attn_kernel(
                 q = _operand(
                     tl.load(q_ptr + rows[:, None] * D + d[None, :], mask=q_mask, other=0.0), BF16_DOT
                 )
-                k = _tile_rows(first, page, kv0_ptr, S0, kv1_ptr, S1, row, valid, d, D, DP, BF16_DOT)
+                k = _tile_rows(first, page, *pools, row, valid, d, D, N, QUANT, DP, BF16_DOT)
                 # ieee: the tf32 default on GPUs would cost ~1e-3 relative error in fp32 attention.
                 s = tl.dot(q, tl.trans(k), s, input_precision="ieee")
-            s = tl.where(valid[None, :], s * (scale * weight)[None, :], _NEG)
+            s = tl.where(valid[None, :], s * scale, _NEG)
             tl.store(ws + col[None, :], s)
             m_new = tl.maximum(m, tl.max(s, axis=1))
             p = tl.where(valid[None, :], tl.exp(s - m_new[:, None]), 0.0)
@@ -394,11 +445,9 @@ def _sparse_attn_kernel(
             mask = h_ok[:, None] & (d < D)[None, :]
             acc = tl.zeros([BLOCK_H, DS], dtype=tl.float32)
             for i in range(0, n_tiles):
-                first, valid, row, weight, page, col = _tile(
-                    i, n0, lo0, hi0, idx0, ks0_ptr, lo1, hi1, idx1, ks1_ptr, width0, QUANT, BLOCK_N
-                )
-                p = tl.exp(tl.load(ws + col[None, :]) - m[:, None]) * weight[None, :]
-                v = _tile_rows(first, page, kv0_ptr, S0, kv1_ptr, S1, row, valid, d, D, DP, BF16_DOT)
+                first, valid, row, page, col = _tile(i, n0, lo0, hi0, idx0, lo1, hi1, idx1, width0, BLOCK_N)
+                p = tl.exp(tl.load(ws + col[None, :]) - m[:, None])
+                v = _tile_rows(first, page, *pools, row, valid, d, D, N, QUANT, DP, BF16_DOT)
                 acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
             if SPLITS == 1:
                 out = _finish(acc, m, total, sink).to(out_ptr.dtype.element_ty)
@@ -463,10 +512,10 @@ def sparse_attention_triton(
     lse = torch.empty((t, h), dtype=torch.float32, device=q.device)
     if t == 0:
         return out, lse
-    (kv0, ks0, idx0), (kv1, ks1, idx1) = _pool_operands(pools, sink)
+    (kv0, ks0, rope0, idx0), (kv1, ks1, rope1, idx1) = _pool_operands(pools, sink)
     block_h = head_tile(h)
     consts = {
-        "QUANT": kv0.dtype == torch.int8,
+        "QUANT": pools[0].quantized,
         # The interpreter stores bf16 as uint16: its bf16 dots are wrong.
         "BF16_DOT": q.dtype == torch.bfloat16 and not runtime.interpreter_active(),
         "DP": runtime.dot_dim(d),
@@ -478,8 +527,9 @@ def sparse_attention_triton(
     width = triton.cdiv(k0, _MAX_BLOCK_N) * _MAX_BLOCK_N + triton.cdiv(k1, _MAX_BLOCK_N) * _MAX_BLOCK_N
     programs = runtime.grid(tasks * _MAX_SPLITS, uses_cube=True)[0]
     ws = torch.empty(max(1, programs * block_h * width), dtype=torch.float32, device=q.device)
-    operands = (q, kv0, ks0, idx0, kv1, ks1, idx1, sink)
-    sizes = (t, h, d, k0, k1, kv0.stride(0), kv1.stride(0), scale)
+    operands = (q, kv0, ks0, rope0, idx0, kv1, ks1, rope1, idx1, sink)
+    strides = (kv0.stride(0), kv1.stride(0), ks0.stride(0), ks1.stride(0), rope0.stride(0), rope1.stride(0))
+    sizes = (t, h, d, k0, k1, *strides, kv0.shape[1], scale)
     if split is None:
         split = decode_split(t, h)
     if not split:
@@ -510,19 +560,21 @@ def decode_split(tokens: int, heads: int) -> bool:
 
 
 def _pool_operands(pools: Sequence[KVPool], sink: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], ...]:
-    """(kv, scale, indices) per pool, int32 indices; a missing second pool is the first with no slots."""
+    """(kv, scale, rope, indices) per pool, int32 indices; a missing second pool is the first with no slots.
+    A pool is a column range of the cache buffer: its rows (and scales) are read at their stride, never
+    copied."""
     ops = []
     for pool in pools:
-        scale = sink if pool.scale is None else pool.scale.contiguous()  # never read for float pools
+        kv, rope = (t if t is None or t.stride(1) == 1 else t.contiguous() for t in (pool.kv, pool.rope))
+        scale = sink if pool.scale is None else pool.scale  # never read for float pools
+        rope = kv if rope is None else rope
         idx = pool.indices.to(torch.int32)
         # An empty pool has only -1 slots: it is given none, as the kernel reads row 0 for -1 slots.
         idx = idx[:, :0] if pool.kv.shape[0] == 0 else idx
-        # A pool is a column range of the cache buffer: its rows are read at their stride, never copied.
-        kv = pool.kv if pool.kv.stride(1) == 1 else pool.kv.contiguous()
-        ops.append((kv, scale, idx.contiguous()))
+        ops.append((kv, scale, rope, idx.contiguous()))
     if len(ops) == 1:
-        kv, scale, idx = ops[0]
-        ops.append((kv, scale, idx[:, :0].contiguous()))
+        kv, scale, rope, idx = ops[0]
+        ops.append((kv, scale, rope, idx[:, :0].contiguous()))
     return tuple(ops)
 
 
@@ -554,10 +606,12 @@ _MERGE_CONFIGS = (TuneConfig({}, 4 * (2 * _MAX_SPLITS * _DP + 8 * _DP)),)
 
 
 def _attn_signature(q: str, kv0: str, kv1: str) -> dict[str, str]:
-    pool = {"kv0_ptr": kv0, "ks0_ptr": "*fp32", "idx0_ptr": "*i32", "kv1_ptr": kv1, "ks1_ptr": "*fp32"}
+    # Quantised pools: int8 codes, RoPE channels in the compute dtype (q's); float pools pass kv as rope.
+    rope0, rope1 = (q, q) if kv0 == "*i8" else (kv0, kv1)
     return {
         "q_ptr": q,
-        **pool,
+        **{"kv0_ptr": kv0, "ks0_ptr": "*fp32", "rope0_ptr": rope0, "idx0_ptr": "*i32"},
+        **{"kv1_ptr": kv1, "ks1_ptr": "*fp32", "rope1_ptr": rope1},
         "idx1_ptr": "*i32",
         "sink_ptr": "*fp32",
         "out_ptr": q,
@@ -565,7 +619,7 @@ def _attn_signature(q: str, kv0: str, kv1: str) -> dict[str, str]:
         "part_ptr": "*fp32",
         "part_ml_ptr": "*fp32",
         "ws_ptr": "*fp32",
-        **dict.fromkeys(("T", "H", "D", "K0", "K1", "S0", "S1"), "i32"),
+        **dict.fromkeys(("T", "H", "D", "K0", "K1", "S0", "S1", "SS0", "SS1", "SR0", "SR1", "N"), "i32"),
         "scale": "fp32",
     }
 

@@ -101,7 +101,9 @@ def worker_main(rank: int, world: int, meet: Rendezvous, device: str, timeout_s:
     runner: FollowerRunner | None = None
     engine, error = None, None
     try:
-        model = load_model(spec.path, spec.dtype, spec.device, spec.quantization, parallel=context)
+        model = load_model(
+            spec.path, spec.dtype, spec.device, spec.quantization, context, config.engram_offload
+        )
         if context.data_parallel:
             engine = lockstep_engine(model, load_tokenizer(spec.path), config)
         else:

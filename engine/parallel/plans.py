@@ -107,9 +107,13 @@ def report(runner: ModelRunner) -> RankReport:
 
 def cache_checksums(pools: KVPools) -> dict[str, str]:
     """A digest of every layer's pools, to check that replicated caches agree across ranks."""
-    named = [(f"window.{i}", t) for i, t in pools.window.items()]
-    named += [(f"entries.{i}", t) for i, t in pools.entries.items()]
-    named += [(f"index_keys.{i}", t) for i, t in pools.index_keys.items()]
+    named = [
+        (f"{kind}.{i}.{part}", t)
+        for kind in ("window", "entries", "index_keys")
+        for i, rows in getattr(pools, kind).items()
+        for part, t in vars(rows).items()
+        if t is not None
+    ]
     return {
         name: hashlib.sha256(t.cpu().contiguous().view(torch.uint8).numpy()).hexdigest() for name, t in named
     }

@@ -178,11 +178,13 @@ def load_ranks(
     """Rank 0's model and, over several tensor- or data-parallel ranks, the started workers holding the
     other shards (closed again if anything fails on the way)."""
     if config.world_size == 1:
-        return load_model(path, dtype, device, quantization), None
+        return load_model(path, dtype, device, quantization, engram_offload=config.engram_offload), None
     spec = WorkerSpec(str(path), dtype, device.type, config, quantization)
     workers = Workers(config.world_size, spec, meet)
     try:
-        model = load_model(path, dtype, device, quantization, parallel=workers.context)
+        model = load_model(
+            path, dtype, device, quantization, parallel=workers.context, engram_offload=config.engram_offload
+        )
         workers.ready()
     except BaseException:
         workers.close()

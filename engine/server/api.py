@@ -36,7 +36,7 @@ from engine.server.protocol import (
     TokenizeRequest,
     validation_error,
 )
-from model.chat import ChatFormatError, check_tools, encode_messages, loads_strict
+from model.chat import ChatFormatError, check_tools, encode_messages, known_fields, loads_strict
 from model.chat_profile import ChatProfile, EffortError, select_chat_profile
 from model.tokenizer import THINK_END, TextTokenizer, prompt_ids
 
@@ -313,12 +313,11 @@ class OpenAIServer:
         try:
             if mode == "none" and body.tools is not None:
                 check_tools(body.tools, self.chat)  # not shown to the model, yet checked
+            messages, ignored = known_fields(body.messages or [])
+            if ignored:
+                log.warning("ignoring unknown message fields: %s", ", ".join(ignored))
             return encode_messages(
-                # Clients send unset optional fields as null (e.g. a returned assistant message's refusal).
-                [
-                    {k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m
-                    for m in body.messages or []
-                ],
+                messages,
                 profile=self.chat,
                 tools=body.tools if mode != "none" else None,
                 thinking=body.thinking,

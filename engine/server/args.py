@@ -105,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
                           help="split the routed experts over the data-parallel ranks (under tensor "
                           "parallelism they are always split)")  # fmt: skip
 
+    model.add_argument("--engram-config", type=json.loads,
+                       help='JSON, vLLM\'s form of --engram-offload: {"cpu_offload": true}')  # fmt: skip
+
     spec = p.add_argument_group("speculative decoding")
     spec.add_argument(
         "--speculative-config",
@@ -283,6 +286,7 @@ def _check(args: argparse.Namespace) -> None:
             )
     args.api_keys = [key for _, key in keys]
     _merge_speculative(args)
+    _merge_engram(args)
     try:
         engine_config(args)  # EngineConfig's checks, before the port opens
     except ValueError as err:
@@ -314,8 +318,20 @@ def _merge_speculative(args: argparse.Namespace) -> None:
         )
 
 
+def _merge_engram(args: argparse.Namespace) -> None:
+    """--engram-config (vLLM's form) folded into --engram-offload."""
+    config: Any = args.engram_config
+    if config is None:
+        return
+    if not isinstance(config, dict) or set(config) - {"cpu_offload"}:
+        raise ValueError(f'--engram-config {json.dumps(config)}: only {{"cpu_offload": true | false}}')
+    if not isinstance(offload := config.get("cpu_offload", False), bool):
+        raise ValueError(f"--engram-config cpu_offload={offload!r} must be true or false")
+    args.engram_offload = args.engram_offload or offload
+
+
 def non_default(args: argparse.Namespace) -> dict[str, Any]:
     """The flags a launch line changed, for the start-up log."""
     defaults = vars(build_parser().parse_args([]))
-    hidden = {"api_key", "api_keys", "model_tag", "config", "speculative_config"}
+    hidden = {"api_key", "api_keys", "model_tag", "config", "speculative_config", "engram_config"}
     return {k: v for k, v in vars(args).items() if k not in hidden and defaults.get(k, v) != v}

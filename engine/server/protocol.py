@@ -2,14 +2,16 @@
 field and the value, never a 500 and never silently coerced; only what JSON itself leaves open is read
 as the client meant it: null is an unset field, a whole float (`5.0`) an integer.
 
-Unknown top-level fields are accepted and ignored, as vLLM does (the server logs their names), so clients
-that send `metadata`, `store` or fields of newer APIs keep working; fields that would change the output
-and are not implemented (`UNSUPPORTED`) are refused unless they hold their neutral value.
+Unknown fields are accepted and ignored, as vLLM does (its request models allow extras at every level; the
+server logs their names), so clients that send `metadata`, `store`, fields of newer APIs or extras inside
+`stream_options` and `response_format` keep working; fields that would change the output and are not
+implemented (`UNSUPPORTED`, and any other kind of `structured_outputs`) are refused unless they hold their
+neutral value.
 
 Beyond OpenAI, as vLLM: `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `min_tokens`,
-`stop_token_ids`, `skip_special_tokens`, `guided_json` / `structured_outputs.json`, and for chat
-`add_generation_prompt` and `chat_template_kwargs` (`thinking`, `reasoning_effort`; `reasoning_effort`
-alone also turns thinking on).
+`stop_token_ids`, `skip_special_tokens`, `include_stop_str_in_output`, `guided_json` /
+`structured_outputs.json`, and for chat `add_generation_prompt` and `chat_template_kwargs` (`thinking`,
+`reasoning_effort`; `reasoning_effort` alone also turns thinking on).
 """
 
 from __future__ import annotations
@@ -126,10 +128,26 @@ class _Strict(_Schema):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
+class _Lenient(_Schema):
+    """Strict about the fields it declares; others are ignored (and logged: `ignored_fields`)."""
+
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+
+
+def _extra_fields(model: BaseModel, where: str = "") -> list[str]:
+    """The undeclared fields of `model` and of the objects nested in it, as paths (`stream_options.x`)."""
+    names = [where + name for name in model.model_extra or {}]
+    for name in model.model_fields_set:
+        value = getattr(model, name)
+        if isinstance(value, BaseModel):
+            names += _extra_fields(value, f"{where}{model.model_fields[name].alias or name}.")
+    return names
+
+
 # Fields vLLM or OpenAI define that would change the output and are not implemented here, with their
 # neutral values: any other value is a 400 naming the field.
 UNSUPPORTED: dict[str, Any] = {
-    "use_beam_search": False, "length_penalty": 1.0, "include_stop_str_in_output": False,
+    "use_beam_search": False, "length_penalty": 1.0,
     "prompt_logprobs": None, "truncate_prompt_tokens": None, "allowed_token_ids": None, "bad_words": None,
     "logits_processors": None, "return_tokens_as_token_ids": False, "chat_template": None,
     "continue_final_message": False, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
@@ -137,50 +155,46 @@ UNSUPPORTED: dict[str, Any] = {
 }  # fmt: skip
 
 
-class _Body(_Schema):
+class _Body(_Lenient):
     """A request body: strict about the fields it declares, tolerant of the others (see the module doc)."""
 
-    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
-
     def ignored_fields(self) -> list[str]:
-        """The unknown fields, after refusing a non-neutral value of an UNSUPPORTED one."""
+        """The unknown fields (nested ones too), after refusing a non-neutral value of an UNSUPPORTED one."""
         extra = self.model_extra or {}
         for name, neutral in UNSUPPORTED.items():
             if name in extra and extra[name] is not None and extra[name] != neutral:
                 raise APIError(f"{name} is not supported by this server", param=name)
-        return sorted(name for name in extra if name not in UNSUPPORTED)
+        return sorted(name for name in _extra_fields(self) if name not in UNSUPPORTED)
 
 
-class StreamOptions(_Strict):
+class StreamOptions(_Lenient):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk has the usage so far
 
 
-class JSONSchemaFormat(_Strict):
+class JSONSchemaFormat(_Lenient):
     name: str = "response"
     description: str | None = None
     schema_: dict[str, Any] = Field(alias="schema")
     strict: bool | None = None  # the schema is always enforced
 
 
-class ResponseFormat(_Strict):
+class ResponseFormat(_Lenient):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JSONSchemaFormat | None = None
 
 
-class NamedFunction(_Strict):
+class NamedFunction(_Lenient):
     name: str
 
 
-class NamedToolChoice(_Strict):
+class NamedToolChoice(_Lenient):
     type: Literal["function"]
     function: NamedFunction
 
 
-class ChatTemplateKwargs(_Schema):
+class ChatTemplateKwargs(_Lenient):
     """vLLM's free-form chat template arguments: the ones the encoding takes; others are ignored."""
-
-    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
     thinking: bool | None = None
     reasoning_effort: str | Int | None = None  # vLLM's DeepSeek-V4 form of the top-level field
@@ -226,6 +240,7 @@ class Sampling(_Body):
     min_tokens: Annotated[Int, Field(ge=0)] = 0
     stop_token_ids: list[Annotated[Int, Field(ge=0)]] | None = None
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # an end-user id for abuse tracking: accepted, not used
@@ -270,6 +285,7 @@ class Sampling(_Body):
                 ignore_eos=self.ignore_eos,
                 min_tokens=self.min_tokens,
                 skip_special_tokens=self.skip_special_tokens,
+                include_stop_str_in_output=self.include_stop_str_in_output,
             )
         except ValueError as err:  # its message starts with the field: "min_tokens=3 must be ..."
             field = str(err).split("=", 1)[0]
@@ -317,7 +333,9 @@ class _ChatTemplate(_Body):
     """What the chat encoding takes besides the messages."""
 
     tools: list[Any] | None = None  # checked by the chat encoding, as the messages
-    reasoning_effort: str | Int | None = None  # OpenAI's names or the encoding's own (docs/serving.md)
+    # OpenAI's names or the encoding's own (docs/serving.md): a string, as OpenAI and vLLM type it (V4.1's
+    # integer budgets go in chat_template_kwargs)
+    reasoning_effort: str | None = None
     chat_template_kwargs: ChatTemplateKwargs | None = None
     add_generation_prompt: bool = True
 
@@ -419,9 +437,7 @@ class DetokenizeRequest(_Body):
     tokens: list[Int]
 
 
-class ResponsesReasoning(_Schema):
-    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
-
+class ResponsesReasoning(_Lenient):
     effort: str | None = None
 
 

@@ -6,7 +6,9 @@ the models really launch are compiled for Ascend, not only the representative on
 The tiny models run from their checkpoints in fp32, and from their official FP8 / MXFP4 form (kept
 packed) in bf16, the device default. The releases run in bf16 at their own widths (model-spec §2:
 heads, head and rope dims, ranks, Engram heads: all that shapes a constexpr) with the toy's depth,
-vocabulary and a pair of routed experts, and random dense weights, so that they fit a CPU. Their packed
+vocabulary and a pair of routed experts, and random dense weights, so that they fit a CPU. Each model runs
+over a cache in the compute dtype and over an int8 one (model-spec §9.4: the quantised cache write, int8
+sparse attention and indexer operands; Ascend has no FP8, so no fp8 cache is recorded). Their packed
 GEMMs launch the tiles of the tiny FP8 models (the widths do not choose them) with V4's 128-wide scale
 blocks, which the toys cannot take (a 32-row output group): that variant is lowered as declared. Run
 it in the main venv (upstream triton, interpreter) after a change to a launcher or to the models; the
@@ -41,6 +43,7 @@ from triton_kernels import tuning  # noqa: E402
 OUT = Path(__file__).resolve().with_name("launches.json")
 # A prefill chunk, a decode step (split + merge attention), then a short chunk over the cached state.
 CHUNKS = (12, 1, 3)
+KV_CACHE_DTYPES = ("auto", "int8")  # what Ascend runs
 
 
 _FEW_EXPERTS = {"n_routed_experts": 2, "num_experts_per_tok": 2}
@@ -83,13 +86,14 @@ def record(name: str) -> list[tuning.Launch]:
         with tempfile.TemporaryDirectory() as tmp:
             model = load_model(write_tiny(Path(tmp), arch, fp8=fp8), torch.bfloat16 if fp8 else torch.float32)
     ids = torch.randint(3, model.cfg.vocab_size, (sum(CHUNKS),), generator=torch.Generator().manual_seed(0))
-    state, start = model.new_state(), 0
     check = BoundsCheck(marked_lines(sorted(PACKAGE.glob("*.py"))))
     with torch.no_grad(), tuning.recording() as launches, pytest.MonkeyPatch.context() as patch:
         check.install(patch)
-        for size in CHUNKS:
-            model(ids[start : start + size], state)
-            start += size
+        for kv_cache_dtype in KV_CACHE_DTYPES:
+            state, start = model.new_state(kv_cache_dtype), 0
+            for size in CHUNKS:
+                model(ids[start : start + size], state)
+                start += size
     print(f"{name}: {len(launches)} launches, {sum(check.hits.values())} checked marked accesses in bounds")
     return launches
 

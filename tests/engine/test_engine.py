@@ -100,6 +100,14 @@ def test_stop_strings_eos_and_abort(tiny):
         engine.step()
     done = engine.completion(request)
     assert done.finish_reason == "stop" and stop not in done.text and text.startswith(done.text)
+    request = engine.add_request(
+        prompt,
+        SamplingParams(max_tokens=8, temperature=0.0, stop=("\x00", stop), include_stop_str_in_output=True),
+    )
+    while engine.has_work:
+        engine.step()
+    kept = engine.completion(request)  # vLLM's include_stop_str_in_output: cut after the stop string
+    assert kept.finish_reason == "stop" and kept.text == done.text + stop
     stopped = run(
         engine, [prompt], SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=(free_run[1],))
     )

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import io
+import sys
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -85,6 +89,39 @@ def test_a_bad_prompt_is_a_value_error_that_leaves_nothing_behind(llm: LLM, prom
     assert after.outputs[0].token_ids == before.outputs[0].token_ids
 
 
+def test_max_tokens_none_generates_to_the_end_of_the_context(llm: LLM):
+    """vLLM's SamplingParams(max_tokens=None): as many tokens as the context has room for after the prompt."""
+    prompt = [5] * (llm.engine.config.max_model_len - 20)
+    unbounded = SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True)
+    [result] = llm.generate([prompt], unbounded, use_tqdm=False)
+    assert len(result.outputs[0].token_ids) == 20 and result.outputs[0].finish_reason == "length"
+    with pytest.raises(ValueError, match="max_model_len=512"):  # no room left at all: refused, naming it
+        llm.generate([[5] * 512], unbounded, use_tqdm=False)
+
+
+def test_the_progress_bar_is_written_once_where_stderr_is_no_terminal(llm: LLM, capsys):
+    llm.generate(["Hello", "Hi there"], SamplingParams(max_tokens=24, ignore_eos=True))
+    written = capsys.readouterr().err
+    assert written.count("Processed prompts") == 1 and "2/2" in written, written
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_the_progress_bar_is_redrawn_at_most_four_times_a_second_on_a_terminal(
+    llm: LLM, monkeypatch: pytest.MonkeyPatch
+):
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    started = time.monotonic()
+    llm.generate(["Hello", "Hi there"], SamplingParams(max_tokens=64, ignore_eos=True))
+    elapsed = time.monotonic() - started
+    draws = terminal.getvalue().count("Processed prompts")
+    assert "2/2" in terminal.getvalue() and draws <= 4 * elapsed + 3, (draws, elapsed)
+
+
 def test_chat_template_kwargs_thinking_must_be_a_bool(llm: LLM):
     with pytest.raises(ValueError, match="thinking='yes' must be true or false"):
         llm.chat([{"role": "user", "content": "Hi"}], GREEDY, chat_template_kwargs={"thinking": "yes"})
@@ -93,7 +130,8 @@ def test_chat_template_kwargs_thinking_must_be_a_bool(llm: LLM):
 BAD_PARAMS = {
     "max_tokens 5.5": ({"max_tokens": 5.5}, "max_tokens=5.5 must be an integer"),
     "max_tokens True": ({"max_tokens": True}, "max_tokens=True must be an integer"),
-    "max_tokens None": ({"max_tokens": None}, "max_tokens=None must be an integer"),
+    "max_tokens 0": ({"max_tokens": 0}, "max_tokens=0 must be at least 1"),
+    "min_tokens over max_tokens": ({"max_tokens": 2, "min_tokens": 3}, "min_tokens=3 must be in"),
     "n a string": ({"n": "2"}, "n='2' must be an integer"),
     "seed 1.5": ({"seed": 1.5}, "seed=1.5 must be an integer"),
     "logprobs True": ({"logprobs": True}, "logprobs=True must be an integer"),

@@ -60,11 +60,12 @@ def run(engine: LLMEngine, prompt: list[int], max_tokens: int = 3, preempt_after
 
 
 def cached_blocks(engine: LLMEngine) -> dict[int, torch.Tensor]:
-    """Every block a cached page or checkpoint holds, with its contents."""
+    """Every block a cached page or checkpoint holds, with its contents as bytes (an int8 cache's codes and
+    scales read as floats may be NaN, which no float comparison finds equal)."""
     pages = engine.cache.prefix.pages.values()
     blocks = {b for p in pages for held in p.blocks.values() for b in held}
     blocks |= {b for p in pages if p.checkpoint for b in p.checkpoint.window_blocks}
-    return {b: engine.runner.pools.buffer[b].clone() for b in blocks}
+    return {b: engine.runner.pools.buffer[b].view(torch.uint8).clone() for b in blocks}
 
 
 def test_a_page_size_off_the_model_is_refused_at_start(tiny):
@@ -75,28 +76,32 @@ def test_a_page_size_off_the_model_is_refused_at_start(tiny):
     assert engine(tiny, enable_prefix_caching=False).cache.prefix is None
 
 
-def test_a_hit_gives_the_logits_of_a_cold_run_chunked_at_the_boundary(tiny):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_a_hit_gives_the_logits_of_a_cold_run_chunked_at_the_boundary(tiny, kv_cache_dtype):
+    """Also over an int8 cache: a row's codes depend on that row alone, a hit reads what a cold run writes."""
     arch, model, _ = tiny
     page = PAGE[arch]
     shared = random_tokens(model, 2 * page + 40, seed=1)
-    warm = engine(tiny)
+    warm = engine(tiny, kv_cache_dtype=kv_cache_dtype)
     run(warm, shared[: 2 * page + 5])  # its prefill stops on 2P, where the checkpoint is saved
     before = cached_blocks(warm)
     prompt = shared[: 2 * page + 9] + random_tokens(model, 11, seed=2)
     hit_out, hit_logits, hit = run(warm, prompt)
-    cold_out, cold_logits, cold_hit = run(engine(tiny), prompt)
+    cold_out, cold_logits, cold_hit = run(engine(tiny, kv_cache_dtype=kv_cache_dtype), prompt)
     assert (hit, cold_hit) == (2 * page, 0)
     assert hit_out == cold_out
     assert all(torch.equal(a, b) for a, b in zip(hit_logits, cold_logits, strict=True))
-    after = {b: warm.runner.pools.buffer[b] for b in before}
+    after = {b: warm.runner.pools.buffer[b].view(torch.uint8) for b in before}
     assert all(torch.equal(before[b], after[b]) for b in before), "a write landed in a shared block"
 
 
-def test_a_preempted_request_resumes_from_its_own_checkpoint(tiny):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_a_preempted_request_resumes_from_its_own_checkpoint(tiny, kv_cache_dtype):
     arch, model, _ = tiny
     prompt = random_tokens(model, PAGE[arch] + 20, seed=3)
-    cold_out, _, _ = run(engine(tiny, enable_prefix_caching=False), prompt, max_tokens=8)
-    warm = engine(tiny)
+    cold = engine(tiny, enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype)
+    cold_out, _, _ = run(cold, prompt, max_tokens=8)
+    warm = engine(tiny, kv_cache_dtype=kv_cache_dtype)
     out, _, hit = run(warm, prompt, max_tokens=8, preempt_after=4)
     assert warm.scheduler.preemptions == 1 and warm.scheduler.prefix_hits == PAGE[arch]
     assert hit == 0 and out == cold_out

@@ -24,10 +24,10 @@ def pools_by_group(pools: KVPools) -> dict[str, list[torch.Tensor]]:
     """Every pool, under its cache group (the groups share the blocks, the pools of one group do not)."""
     found = {g.name: [] for g in pools.groups}
     for plan in build_plan(pools.cfg):
-        found["window"].append(pools.window[plan.index])
+        found["window"].append(pools.window[plan.index].data)
         for kind in (pools.entries, pools.index_keys):
             if plan.index in kind:
-                found[group_name(plan.compress_ratio)].append(kind[plan.index])
+                found[group_name(plan.compress_ratio)].append(kind[plan.index].data)
     return found
 
 

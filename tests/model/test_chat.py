@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from model.chat import RESERVED_FRAGMENTS, ChatFormatError, encode_messages
+from model.chat import RESERVED_FRAGMENTS, ChatFormatError, encode_messages, known_fields
 
 # Spelled out rather than imported, so a typo in the module's constants cannot pass unnoticed.
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
@@ -164,6 +164,34 @@ def test_a_reply_sent_back_as_given_renders_as_the_plain_message():
         assert encode_messages(only_reasoning, **kwargs) == encode_messages(plain, **kwargs)
 
 
+def test_known_fields_drops_what_the_encoding_has_no_place_for_and_names_it():
+    """The lenient pre-pass (the server's, as vLLM): extras go, text parts of every kind are text parts."""
+    sent = [
+        user("Hi") | {"cache_control": {"type": "ephemeral"}, "refusal": None},
+        {"role": "assistant", "content": [{"type": "refusal", "refusal": "No"}], "annotations": [],
+         "tool_calls": [call("a") | {"index": 0}]},
+        tool("a", [{"type": "input_text", "text": "r", "cache_control": {}}]),
+        {"role": "user", "content": [{"type": "output_text", "text": "Bye"}]},
+    ]  # fmt: skip
+    plain = [user("Hi"), assistant("No", calls=[call("a")]), tool("a", "r"), user("Bye")]
+    kept, ignored = known_fields(sent)
+    assert encode_messages(kept) == encode_messages(plain)
+    assert ignored == [
+        "messages[].annotations",
+        "messages[].cache_control",
+        "messages[].content[].cache_control",
+        "messages[].tool_calls[].index",
+    ]
+    odd = [
+        "hi",
+        {"role": "robot"},
+        user([{"type": "input_text"}]),
+        user([{"type": []}]),
+        user([{"type": {}}]),
+    ]
+    assert known_fields(odd) == (odd, [])  # shapes it does not know stay, for encode_messages to refuse
+
+
 def test_developer_and_reminder():
     dev = {"role": "developer", "content": "D"}
     reminder = {"role": "latest_reminder", "content": "R"}
@@ -259,6 +287,9 @@ BAD_REQUESTS = [
     *((bad_call(fn=a), ARGS) for a in ['{"a": 1e400}', '{"a": 1, "a": 2}', '{"a": {"b": 1, "b": 1}}']),
     *((bad_call(fn=a), ARGS) for a in ['{"a\\"b": 1}', '{"": 1}', '{"a": "</think>"}']),
     (bad_call(fn='{"a": ["\\uff5cDSML\\uff5c"]}'), ARGS),  # a JSON escape must not smuggle a fragment in
+    # Nor a lone surrogate, which no tokenizer can encode.
+    *((bad_call(fn=a), ARGS) for a in ['{"a": "\\ud800"}', '{"\\udc00": 1}', '{"a": {"b": ["\\ud800x"]}}']),
+    (req(user("a\ud800")), "messages[0].content"),
     (req(tool("a", "x")), "messages[0]"),
     (req(user("q"), assistant("no calls"), tool("a", "x")), "messages[2]"),
     (req(*CALLS, tool("c", "x")), "messages[2].tool_call_id"),

@@ -1,12 +1,29 @@
-"""The V4 indexer in the Ascend int8 format (model-spec §9.4) against its float path, on the tiny model."""
+"""The V4 indexer over int8 index keys (a quantised cache, model-spec §9.4) against its float path, on the
+tiny model: the same inputs scored over the float keys and over the keys as a quantised cache stores them."""
 
 from __future__ import annotations
+
+import copy
+import dataclasses
 
 import torch
 
 from model.attention import Indexer
+from model.cache import PoolRows
 from model.checkpoint import load_model
 from model.testing.tiny import write_tiny
+from triton_kernels.kv_store import QuantizedRows, store_quantized
+
+
+def _int8_keys(batch, layer: int):
+    """``batch`` with the layer's index keys int8 with their scales, as a quantised cache holds them."""
+    keys = batch.pools.index_keys[layer].data
+    codes = torch.zeros(keys.shape, dtype=torch.int8)
+    scale = torch.zeros(keys.shape[0])
+    store_quantized(keys, torch.arange(keys.shape[0]), QuantizedRows(codes, scale))
+    pools = copy.copy(batch.pools)
+    pools.index_keys = {**pools.index_keys, layer: PoolRows(codes, scale)}
+    return dataclasses.replace(batch, pools=pools)
 
 
 def test_int8_indexer_keeps_the_float_selection(tmp_path) -> None:
@@ -21,12 +38,11 @@ def test_int8_indexer_keeps_the_float_selection(tmp_path) -> None:
         h.remove()
     assert calls
     kept = total = 0
-    for module, args, picked in calls:
+    for module, (x, q_r, batch, inv_freq), picked in calls:
         with torch.no_grad():
-            scores = module.scores(*args)
-            module.int8 = True
-            scores8, picked8 = module.scores(*args), module(*args)
-            module.int8 = False
+            scores = module.scores(x, q_r, batch, inv_freq)
+            batch8 = _int8_keys(batch, module.plan.index)
+            scores8, picked8 = module.scores(x, q_r, batch8, inv_freq), module(x, q_r, batch8, inv_freq)
         finite = torch.isfinite(scores)
         assert torch.equal(finite, torch.isfinite(scores8))
         scale = scores[finite].abs().max()

@@ -48,8 +48,8 @@ def assert_same_caches(model, got: SequenceState, want: SequenceState) -> None:
     pools_got, pools_want = got.store.pools, want.store.pools
     window = range(max(0, n - cfg.sliding_window), n)
     for plan in build_plan(cfg):
-        a = pools_got.window[plan.index][slots_of(got, "window", window)]
-        b = pools_want.window[plan.index][slots_of(want, "window", window)]
+        a = pools_got.window[plan.index].data[slots_of(got, "window", window)]
+        b = pools_want.window[plan.index].data[slots_of(want, "window", window)]
         if not plan.is_draft:
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
         if plan.has_compressor:
@@ -57,8 +57,8 @@ def assert_same_caches(model, got: SequenceState, want: SequenceState) -> None:
             entries = range(n // plan.compress_ratio)
             for pools in ("entries", "index_keys"):
                 if plan.index in getattr(pools_want, pools):
-                    a = getattr(pools_got, pools)[plan.index][slots_of(got, group, entries)]
-                    b = getattr(pools_want, pools)[plan.index][slots_of(want, group, entries)]
+                    a = getattr(pools_got, pools)[plan.index].data[slots_of(got, group, entries)]
+                    b = getattr(pools_want, pools)[plan.index].data[slots_of(want, group, entries)]
                     torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 

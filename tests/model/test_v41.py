@@ -137,7 +137,7 @@ def test_reuse_reads_its_source_and_reindex_rescoring(model, monkeypatch):
     def perturbing(self, x, batch, inv_freq, published):
         out = forward(self, x, batch, inv_freq, published)
         if self.plan.index == 4 and perturb:
-            batch.pools.entries[4].add_(0.5)  # what the source published, after it used it
+            batch.pools.entries[4].data.add_(0.5)  # what the source published, after it used it
         topk.update(published.topk)
         return out
 

@@ -135,7 +135,7 @@ CASES["logit_bias 1025 entries"] = Case(
 TYPES = {
     "stream string": (CHAT, chat(stream="yes"), "stream"),
     "stream_options list": (CHAT, chat(stream=True, stream_options=[]), "stream_options"),
-    "stream_options unknown key": (CHAT, chat(stream=True, stream_options={"x": 1}), "stream_options"),
+    "stream_options a string": (CHAT, chat(stream=True, stream_options="usage"), "stream_options"),
     "user number": (CHAT, chat(user=5), "user"),
     "model number": (CHAT, chat(model=5), "model"),
     "model unknown": (CHAT, chat(model="gpt-4"), "model"),
@@ -153,6 +153,19 @@ TYPES = {
         "chat_template_kwargs",
     ),
     "reasoning_effort a list": (CHAT, chat(reasoning_effort=[3]), "reasoning_effort"),
+    # OpenAI and vLLM type it a string; V4.1's integer budgets go in chat_template_kwargs.
+    "reasoning_effort an integer": (CHAT, chat(reasoning_effort=5), "reasoning_effort"),
+    "reasoning_effort a whole float": (CHAT, chat(reasoning_effort=50.0), "reasoning_effort"),
+    "chat_template_kwargs reasoning_effort a list": (
+        CHAT,
+        chat(chat_template_kwargs={"reasoning_effort": [5]}),
+        "chat_template_kwargs",
+    ),
+    "structured_outputs of another kind": (
+        CHAT,
+        chat(structured_outputs={"regex": "a+"}),
+        "structured_outputs",
+    ),
     "echo string": (COMPLETIONS, completion(echo="no"), "echo"),
     "prompt mixed list": (COMPLETIONS, completion(prompt=[1, "a"]), "prompt"),
     "prompt nested strings": (COMPLETIONS, completion(prompt=[["a"]]), "prompt"),
@@ -244,6 +257,22 @@ for name, (path, body, param) in TEXT_AT.items():
     raw = json.dumps(body)  # ensure_ascii: the surrogate travels as \\ud800
     CASES[f"surrogate in {name}"] = Case(path, raw, param=param)
 
+# A tool call's arguments are JSON inside a string: its escapes decode to lone surrogates only there.
+ARGUMENTS = {
+    "a value": '{"a": "\\ud800"}',
+    "a key": '{"\\ud800": 1}',
+    "a nested value": '{"a": {"b": ["x", "\\udc00"]}}',
+    "a reversed pair": '{"a": "\\udc00\\ud800"}',
+}
+for name, arguments in ARGUMENTS.items():
+    call = {**CALL, "function": {"name": "f", "arguments": arguments}}
+    for answered in (False, True):
+        result = [{"role": "tool", "tool_call_id": "call_1", "content": "r"}] if answered else []
+        body = chat(messages=[USER, {"role": "assistant", "tool_calls": [call]}, *result])
+        CASES[f"surrogate in tool call arguments, {name}{', answered' if answered else ''}"] = Case(
+            CHAT, body, param="messages[1].tool_calls[0].function.arguments"
+        )
+
 # ---- messages, tools, response_format ------------------------------------------------------------------
 SHAPES = {
     "messages object": (chat(messages={"role": "user"}), "messages"),
@@ -254,6 +283,19 @@ SHAPES = {
     "content null for the user": (chat(messages=[{"role": "user", "content": None}]), "messages"),
     "image block": (
         chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
+        "messages",
+    ),
+    "content part type a list": (chat(messages=[{"role": "user", "content": [{"type": []}]}]), "messages"),
+    "content part type an object": (
+        chat(messages=[{"role": "user", "content": [{"type": {"a": 1}}]}]),
+        "messages",
+    ),
+    "input_text part without text": (
+        chat(messages=[{"role": "user", "content": [{"type": "input_text"}]}]),
+        "messages",
+    ),
+    "refusal part a number": (
+        chat(messages=[{"role": "user", "content": [{"type": "refusal", "refusal": 1}]}]),
         "messages",
     ),
     "tool_calls not a list": (chat(messages=[USER, {"role": "assistant", "tool_calls": {}}]), "messages"),
@@ -292,10 +334,6 @@ SHAPES = {
     "response_format string": (chat(response_format="json"), "response_format"),
     "json_schema schema not an object": (
         chat(response_format={"type": "json_schema", "json_schema": {"schema": [1]}}),
-        "response_format",
-    ),
-    "json_schema with an unknown key": (
-        chat(response_format={"type": "json_schema", "json_schema": {"schema": {}, "x": 1}}),
         "response_format",
     ),
     "json_schema invalid type": (

@@ -279,10 +279,14 @@ def test_the_tiny_v41_renders_with_the_v41_encoding(server: Served):
     # OpenAI's effort names map onto V4.1's budgets; its own values pass; none is chat mode.
     assert rendered(reasoning_effort="medium") == encoded(profile=V41, thinking=True, reasoning_effort="high")
     assert rendered(reasoning_effort="xhigh") == encoded(profile=V41, thinking=True, reasoning_effort=100)
-    assert rendered(reasoning_effort=30) == encoded(profile=V41, thinking=True, reasoning_effort=30)
+    # An integer budget is V4.1's own value, given where vLLM's DeepSeek-V4 form puts it.
+    budget = encoded(profile=V41, thinking=True, reasoning_effort=30)
+    assert rendered(chat_template_kwargs={"reasoning_effort": 30}) == budget
     assert rendered(reasoning_effort="none") == encoded(profile=V41)
     thinking_on = {"chat_template_kwargs": {"thinking": True}}
-    for bad in ({"reasoning_effort": "extreme"}, {"reasoning_effort": 0}, {"reasoning_effort": 101},
+    for bad in ({"reasoning_effort": "extreme"}, {"reasoning_effort": 30},
+                {"chat_template_kwargs": {"reasoning_effort": 0}},
+                {"chat_template_kwargs": {"reasoning_effort": 101}},
                 {"reasoning_effort": "none", **thinking_on}):  # fmt: skip
         reply = server.http().post("/tokenize", json={"messages": messages, **bad})
         assert reply.status_code == 400 and reply.json()["error"]["param"] == "reasoning_effort"

@@ -1,10 +1,12 @@
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from triton_kernels import runtime, sparse_attn
-from triton_kernels.quant import dequantize_int8, quantize_int8_ref
+from triton_kernels.kv_store import QuantizedRows, store_quantized_ref
 from triton_kernels.rope import apply_rope_ref, rope_inv_freq
 from triton_kernels.sparse_attn import KVPool, sparse_attention, sparse_attention_ref, sparse_attention_triton
 
@@ -23,21 +25,41 @@ def _indices(t: int, k: int, seed: int, empty_rows: tuple[int, ...] = ()) -> tor
     return idx
 
 
+QUANTIZED = {"int8": torch.int8, "int8_bf16": torch.int8, "fp8": torch.float8_e4m3fn}
+
+
+def quantized_rows(kv: torch.Tensor, codes: torch.dtype, rope_dtype: torch.dtype) -> QuantizedRows:
+    """``kv [S, D]`` stored as the cache stores it (model-spec §9.4): one byte record per slot holding the
+    scale, the last quarter of the channels (RoPE) in ``rope_dtype`` and the codes of the others, so that
+    every part is a column range of the records (strided, as in the cache buffer)."""
+    slots, d = kv.shape
+    rope, elt = d // 4, torch.empty(0, dtype=rope_dtype).element_size()
+    records = torch.zeros(slots, 4 + rope * elt + d - rope + 4, dtype=torch.uint8)  # 4 bytes of padding
+    end = 4 + rope * elt
+    cache = QuantizedRows(
+        records[:, end : end + d - rope].view(codes),
+        records[:, :4].view(torch.float32)[:, 0],
+        records[:, 4:end].view(rope_dtype),
+    )
+    store_quantized_ref(kv, torch.arange(slots), cache)
+    return cache
+
+
 def _case(t: int, h: int, d: int, kw: int, kc: int, kind: str, seed: int = 0):
     """Query, two pools (window, compressed) sharing one KV table, per-head sinks; the second row has no
-    valid slot in either pool."""
-    dtype = torch.bfloat16 if kind == "bf16" else torch.float32
+    valid slot in either pool. Quantised kinds: int8 (fp32 queries and RoPE dims), int8_bf16 (bf16
+    queries and RoPE dims), fp8 (E4M3 codes)."""
+    dtype = torch.bfloat16 if kind in ("bf16", "int8_bf16") else torch.float32
     q = torch.randn(t, h, d, generator=_gen(seed)).to(dtype)
     kv = torch.randn(SLOTS, d, generator=_gen(seed + 1))
-    scale = None
-    if kind == "int8":
-        kv, scale = quantize_int8_ref(kv)
-    else:
-        kv = kv.to(dtype)
+    parts = {"kv": kv.to(dtype)}
+    if kind in QUANTIZED:
+        rows = quantized_rows(kv, QUANTIZED[kind], dtype)
+        parts = {"kv": rows.codes, "scale": rows.scale, "rope": rows.rope}
     empty = (1,) if t > 1 else ()
     pools = [
-        KVPool(kv, _indices(t, kw, seed + 2, empty), scale),
-        KVPool(kv, _indices(t, kc, seed + 4, empty), scale),
+        KVPool(indices=_indices(t, kw, seed + 2, empty), **parts),
+        KVPool(indices=_indices(t, kc, seed + 4, empty), **parts),
     ]
     sink = torch.randn(h, generator=_gen(seed + 6))
     return q, pools, sink
@@ -75,11 +97,12 @@ def test_kernel_matches_reference(t: int, h: int, d: int, kw: int, kc: int, spli
 
 
 @pytest.mark.parametrize("split", [False, True], ids=["prefill", "decode"])
-@pytest.mark.parametrize("kind", ["bf16", "int8"])
-def test_kernel_matches_reference_on_bf16_and_int8_pools(kind: str, split: bool) -> None:
-    # int8 pools are compared against the attention over their dequantised rows, in fp32.
+@pytest.mark.parametrize("kind", ["bf16", "int8", "int8_bf16"])
+def test_kernel_matches_reference_on_bf16_and_quantised_pools(kind: str, split: bool) -> None:
+    # Quantised pools are compared against the attention over their dequantised rows, in fp32: the kernel
+    # decodes the codes, scales and RoPE dims of each tile in registers.
     q, pools, sink = _case(4, 4, 64, 32, 96, kind, seed=3)
-    _check(q, pools, sink, _rope(4), split, atol=1e-2 if kind == "bf16" else 1e-5)
+    _check(q, pools, sink, _rope(4), split, atol=1e-2 if q.dtype == torch.bfloat16 else 1e-5)
 
 
 @pytest.mark.parametrize("split", [False, True], ids=["prefill", "decode"])
@@ -119,9 +142,14 @@ def test_reference_is_softmax_with_a_sink_column() -> None:
     torch.testing.assert_close(rotated, apply_rope_ref(out, positions, inv_freq, inverse=True))
 
 
-def test_int8_reference_uses_dequantised_rows() -> None:
-    q, pools, sink = _case(3, 2, 32, 8, 8, "int8", seed=9)
-    dequantised = [KVPool(dequantize_int8(p.kv, p.scale), p.indices) for p in pools]
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_quantised_reference_uses_dequantised_rows(kind: str) -> None:
+    q, pools, sink = _case(3, 2, 32, 8, 8, kind, seed=9)
+    rows = QuantizedRows(pools[0].kv, pools[0].scale, pools[0].rope)
+    dequantised = rows.dequantized(torch.arange(SLOTS))
+    expected = torch.cat([pools[0].kv.float() * pools[0].scale[:, None], pools[0].rope.float()], dim=1)
+    assert torch.equal(dequantised, expected)
+    dequantised = [KVPool(dequantised, p.indices) for p in pools]
     for a, b in zip(
         sparse_attention_ref(q, pools, sink, 0.2),
         sparse_attention_ref(q, dequantised, sink, 0.2),
@@ -163,7 +191,32 @@ def _bad(**change):
         ({"pools": [KVPool(torch.zeros(10, 64), torch.full((2, 3), -2, dtype=torch.int32))]}, r"range \[-2"),
         (
             {"pools": [KVPool(torch.zeros(10, 64, dtype=torch.int8), torch.zeros(2, 3, dtype=torch.int32))]},
-            "scale",
+            "rope exactly for a quantised pool",
+        ),
+        (
+            {
+                "pools": [
+                    KVPool(
+                        torch.zeros(10, 48, dtype=torch.int8),
+                        torch.zeros(2, 3, dtype=torch.int32),
+                        rope=torch.zeros(10, 16),
+                    )
+                ]
+            },  # fmt: skip
+            "scale: must be given exactly when kv is quantised",
+        ),
+        (
+            {
+                "pools": [
+                    KVPool(
+                        torch.zeros(10, 48, dtype=torch.int8),
+                        torch.zeros(2, 3, dtype=torch.int32),
+                        torch.zeros(10),
+                        torch.zeros(10, 8),
+                    )
+                ]
+            },  # fmt: skip
+            "rows of 56 channels",
         ),
         ({"pools": [KVPool(torch.zeros(10, 64), torch.zeros(3, 3, dtype=torch.int32))]}, r"\[2, K\]"),
         ({"sink": torch.zeros(3)}, "sink"),
@@ -221,5 +274,5 @@ def test_window_slots_in_runs_are_read_as_pages(kind: str, split: bool) -> None:
     start = torch.tensor([0, SLOTS - 100, 300])
     window = ((start[:, None] + torch.arange(128)) % SLOTS).to(torch.int32)
     window[2, :70] = -1
-    pages = [KVPool(pools[0].kv, window, pools[0].scale), pools[1]]
+    pages = [dataclasses.replace(pools[0], indices=window), pools[1]]
     _check(q, pages, sink, _rope(3), split, atol=1e-5)
