@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from engine.config import EngineConfig, read_speculative_config
 from engine.factory import default_model, start_engine
+from engine.prompt_logprobs import Logprob, as_vllm
 from engine.request import Request, SamplingParams
 from model.chat import encode_messages
 from model.chat_profile import select_chat_profile
@@ -46,6 +47,8 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = True
+    # With SamplingParams(prompt_logprobs=k): None for the first prompt token, then {token id: Logprob}.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 class LLM:
@@ -209,11 +212,13 @@ class LLM:
             )
 
     def _output(self, text: str | None, prompt: list[int], requests: list[Request]) -> RequestOutput:
-        outputs = []
+        outputs, scored = [], None
         for i, request in enumerate(requests):
             done = self.engine.completion(request)
             outputs.append(CompletionOutput(i, done.text, done.token_ids, done.finish_reason, done.logprobs))
-        return RequestOutput(requests[0].id, text, prompt, outputs)
+            scored = done.prompt_logprobs if scored is None else scored
+        prompt_logprobs = None if scored is None else as_vllm(scored, self.engine.tokenizer)
+        return RequestOutput(requests[0].id, text, prompt, outputs, prompt_logprobs=prompt_logprobs)
 
 
 def _as_list(value: Any, name: str) -> list[Any]:

@@ -17,6 +17,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.interface import EngineStats
 from engine.kv_cache import KVCacheManager
 from engine.model_runner import ModelRunner
+from engine.prompt_logprobs import PromptLogprob, score_prompt
 from engine.request import FinishReason, InvalidRequest, LogitsProcessor, Request, SamplingParams, is_integer
 from engine.sampler import Sampler
 from engine.scheduler import ScheduledChunk, Scheduler
@@ -38,6 +39,7 @@ class Completion:
     text: str
     finish_reason: str
     logprobs: list[dict[int, float]] | None
+    prompt_logprobs: list[PromptLogprob] | None = None  # prompt tokens 1.., when asked
 
     @classmethod
     def of(cls, request: Request, text: str) -> Completion:
@@ -49,6 +51,7 @@ class Completion:
             text,
             request.finish_reason.value if request.finish_reason else "",
             request.logprobs if request.params.logprobs is not None else None,
+            request.prompt_logprobs if request.params.prompt_logprobs is not None else None,
         )
 
 
@@ -153,8 +156,10 @@ class LLMEngine:
         out = self.runner.run(chunks)
         logits = iter(out.logits)
         updated, observations = [], []
-        for chunk, features in zip(chunks, out.features, strict=True):
+        for chunk, features, prompt_logits in zip(chunks, out.features, out.prompt_logits, strict=True):
             request, committed, wanted = chunk.request, chunk.length, 0
+            if chunk.scored:
+                _score(chunk, prompt_logits)
             if chunk.samples:
                 updated.append(request)
                 try:
@@ -272,6 +277,14 @@ class LLMEngine:
         self.requests.pop(request.id, None)
         self.detokenizers.pop(request.id, None)
         return Completion.of(request, self.text(request))
+
+
+def _score(chunk: ScheduledChunk, logits: torch.Tensor) -> None:
+    """Append the prompt logprobs of the chunk's scored positions (the logits at ``q`` score token
+    ``q + 1``)."""
+    request = chunk.request
+    targets = request.prompt[chunk.scored.start + 1 : chunk.scored.stop + 1]
+    request.prompt_logprobs += score_prompt(logits, targets, request.params.prompt_logprobs or 0)
 
 
 def _first_stop(text: str, new: int, stops: tuple[str, ...]) -> int | None:

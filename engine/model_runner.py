@@ -5,6 +5,8 @@ vectorised by ``model.cache.Batch`` from the cache manager's tables; the model t
 writes every request's KV by slot. Small per-request state (compressor buffers, Engram look-back)
 lives in the request's ``SeqCache``; a chunk starting at position 0 (new or preempted) starts over.
 A chunk that verifies drafts journals that state first, so ``rollback`` can keep its accepted prefix.
+The LM head projects only the rows the step needs: each sampling chunk's last ones, and the positions
+that score prompt tokens for requests asking for prompt logprobs (``scored_rows``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from model.causal_lm import CausalLM
 class StepOutput:
     logits: list[torch.Tensor]  # per sampling chunk, in order: [1 + num_drafts, V] at its last positions
     features: list[torch.Tensor]  # per chunk: the draft head's input for each of its tokens
+    prompt_logits: list[torch.Tensor]  # per chunk: [len(chunk.scored), V] at its scored prompt positions
 
 
 class ModelRunner:
@@ -55,15 +58,20 @@ class ModelRunner:
                 rows.extend(range(len(ids) - counts[-1], len(ids)))
         lengths = [c.length for c in chunks]
         tokens = torch.tensor(ids, device=self.device)
-        shape = self.graphs.handles(seqs, lengths) if self.graphs is not None and decoding(chunks) else None
+        scored, scored_counts = scored_rows(chunks)
+        graphed = self.graphs is not None and not scored and decoding(chunks)
+        shape = self.graphs.handles(seqs, lengths) if graphed else None
         if shape is not None:
             logits, features = self.graphs.run(shape, seqs, tokens)
         else:
             batch = Batch.build(self.pools, seqs, lengths, self.device)
             logits, features = self.model.batch_forward(
-                tokens, batch, torch.tensor(rows, dtype=torch.long, device=self.device)
+                tokens, batch, torch.tensor(rows + scored, dtype=torch.long, device=self.device)
             )
-        return StepOutput(list(logits.split(counts)), list(features.split(lengths)))
+        sampled, prompt = logits[: len(rows)], logits[len(rows) :]
+        return StepOutput(
+            list(sampled.split(counts)), list(features.split(lengths)), list(prompt.split(scored_counts))
+        )
 
     @torch.no_grad()
     def rollback(self, chunk: ScheduledChunk, keep: int) -> None:
@@ -96,3 +104,15 @@ class ModelRunner:
 def decoding(chunks: list[ScheduledChunk]) -> bool:
     """Every chunk continues its request and samples at each of its tokens (1 + drafts): a decode step."""
     return all(c.start > 0 and c.samples and c.length == c.num_drafts + 1 for c in chunks)
+
+
+def scored_rows(chunks: list[ScheduledChunk]) -> tuple[list[int], list[int]]:
+    """The rows of the flat batch at each chunk's positions that score a prompt token
+    (``ScheduledChunk.scored``, prompt logprobs), and how many of them each chunk has."""
+    rows, counts, offset = [], [], 0
+    for chunk in chunks:
+        scored = chunk.scored
+        rows.extend(range(offset + scored.start - chunk.start, offset + scored.stop - chunk.start))
+        counts.append(len(scored))
+        offset += chunk.length
+    return rows, counts

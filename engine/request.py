@@ -10,6 +10,8 @@ from enum import Enum
 
 import torch
 
+from engine.prompt_logprobs import PromptLogprob
+
 # (output tokens so far, logits [V]) -> adjusted logits; may keep state (e.g. a grammar matcher), so one
 # instance per request. It sees every output token in order, also after a preemption recomputes them.
 LogitsProcessor = Callable[[list[int], torch.Tensor], torch.Tensor]
@@ -18,6 +20,7 @@ SEED_RANGE = (-(2**63), 2**64 - 1)  # what a torch.Generator takes
 FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32: top_p and penalties stay above it
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 1024  # characters: the held-back text of a stream is at most this long
+MAX_LOGPROBS = 20  # top logprobs per token, sampled or prompt (vLLM's default max_logprobs)
 
 
 class InvalidRequest(ValueError):
@@ -41,6 +44,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None  # also return this many top logprobs per sampled token
+    prompt_logprobs: int | None = None  # return each prompt token's logprob and this many top ones
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
@@ -87,9 +91,11 @@ class SamplingParams:
             -2.0 <= self.frequency_penalty <= 2.0,
             f"frequency_penalty={self.frequency_penalty} must be in [-2, 2]",
         )
-        need(
-            self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs={self.logprobs} must be in [0, 20]"
-        )
+        for name in ("logprobs", "prompt_logprobs"):
+            count = getattr(self, name)
+            need(
+                count is None or 0 <= count <= MAX_LOGPROBS, f"{name}={count} must be in [0, {MAX_LOGPROBS}]"
+            )
         low, high = SEED_RANGE
         need(self.seed is None or low <= self.seed <= high, f"seed={self.seed} must be in [{low}, {high}]")
         need(
@@ -108,7 +114,7 @@ class SamplingParams:
 
 
 _INTEGERS = ("top_k", "min_tokens", "n")
-_OPTIONAL_INTEGERS = ("max_tokens", "seed", "logprobs")
+_OPTIONAL_INTEGERS = ("max_tokens", "seed", "logprobs", "prompt_logprobs")
 _NUMBERS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
 
@@ -149,6 +155,7 @@ class Request:
     id: str = field(default_factory=lambda: f"req-{next(_ids)}")
     output: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)  # per output token, when asked
+    prompt_logprobs: list[PromptLogprob] = field(default_factory=list)  # prompt tokens 1.., when asked
     status: Status = Status.WAITING
     finish_reason: FinishReason | None = None
     num_computed: int = 0  # tokens whose KV is in the cache
@@ -171,6 +178,11 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED
+
+    @property
+    def scoring_prompt(self) -> bool:
+        """It asked for prompt logprobs and some are not computed yet."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt) - 1
 
     @property
     def prefilling(self) -> bool:

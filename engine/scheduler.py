@@ -7,9 +7,10 @@ get its blocks, the newest running request is preempted (its cache freed, to be 
 so the oldest always progresses.
 
 With a prefix cache, a request starting (again) first takes the longest cached prefix of its tokens
-and computes from there. Its computation stops on the page boundaries the cache checkpoints, so
-that the engine can save the state there: a prefill chunk ends at the last page boundary before the
-request's last known token, and a speculative step never verifies drafts past the next boundary.
+and computes from there (unless it still needs prompt logprobs: those positions must be computed).
+Its computation stops on the page boundaries the cache checkpoints, so that the engine can save the
+state there: a prefill chunk ends at the last page boundary before the request's last known token,
+and a speculative step never verifies drafts past the next boundary.
 """
 
 from __future__ import annotations
@@ -33,6 +34,18 @@ class ScheduledChunk:
     def samples(self) -> bool:
         """The chunk reaches the request's last known token: the step produces the next one(s)."""
         return self.start + self.length - self.num_drafts == self.request.num_tokens
+
+    @property
+    def scored(self) -> range:
+        """The positions of this chunk whose logits score the next prompt token (``engine.prompt_logprobs``):
+        those of a request asking for prompt logprobs not scored before (a preempted request's were)."""
+        request = self.request
+        if request.params.prompt_logprobs is None:
+            return range(0)
+        return range(
+            max(self.start, len(request.prompt_logprobs)),
+            min(self.start + self.length, len(request.prompt) - 1),
+        )
 
     @property
     def token_ids(self) -> list[int]:
@@ -83,7 +96,9 @@ class Scheduler:
                 budget -= chunk.length
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            hit = self.cache.attach_prefix(request.id, request.tokens) if request.num_computed == 0 else 0
+            # A hit would skip the logits of the cached positions that prompt logprobs still need.
+            looks_up = request.num_computed == 0 and not request.scoring_prompt
+            hit = self.cache.attach_prefix(request.id, request.tokens) if looks_up else 0
             request.num_computed = hit
             chunk = self._chunk(request, budget)
             if not self._allocate(chunk):

@@ -12,7 +12,7 @@ from pathlib import Path
 from model.testing.tiny import toy_config
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("triton_kernels", "model", "engine", "autotune", "benchmarks")
+PACKAGES = ("triton_kernels", "model", "engine", "autotune", "benchmarks", "ascend_gate")
 
 
 def module_name(path: Path) -> str:

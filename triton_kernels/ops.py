@@ -10,6 +10,7 @@ from triton_kernels import (
     compressor,
     engram,
     indexer,
+    kv_store,
     mhc,
     moe_gemm,
     quant,
@@ -36,6 +37,7 @@ OPS: dict[str, ModuleType] = {
         engram,
         quant_matmul,
         moe_gemm,
+        kv_store,
     )  # fmt: skip
 }
 

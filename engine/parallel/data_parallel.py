@@ -25,6 +25,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.interface import EngineStats
 from engine.llm_engine import Completion, LLMEngine
 from engine.parallel.plans import STEP, RankReport, next_plan, report
+from engine.prompt_logprobs import PromptLogprob
 from engine.request import (
     FinishReason,
     InvalidRequest,
@@ -68,6 +69,8 @@ class Progress:
     finish_reason: FinishReason | None
     stop_text_at: int | None
     error: str | None
+    # In a request's first progress (its first sampling step, when its prefill has scored them all).
+    prompt_logprobs: list[PromptLogprob] = field(default_factory=list)
 
 
 class LockstepProposer(Proposer):
@@ -149,8 +152,9 @@ def _progress(request: Request, reported: dict[str, int]) -> Progress:
     sent = reported.get(request.id, 0)
     reported[request.id] = len(request.output)
     logprobs = request.logprobs[sent:] if request.logprobs else []
+    prompt_logprobs = request.prompt_logprobs if sent == 0 else []
     return Progress(request.id, request.output[sent:], logprobs, request.finish_reason,
-                    request.stop_text_at, request.error)  # fmt: skip
+                    request.stop_text_at, request.error, prompt_logprobs)  # fmt: skip
 
 
 class DataParallelEngine:
@@ -235,6 +239,7 @@ class DataParallelEngine:
             for token in progress.tokens:
                 self.shadow_text[shadow.id].add(token)
             shadow.logprobs += progress.logprobs
+            shadow.prompt_logprobs += progress.prompt_logprobs
             shadow.stop_text_at, shadow.error = progress.stop_text_at, progress.error
             if progress.finish_reason is not None:
                 shadow.status, shadow.finish_reason = Status.FINISHED, progress.finish_reason

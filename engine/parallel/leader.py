@@ -47,7 +47,9 @@ class LeaderRunner(ModelRunner):
 
     def run(self, chunks: list[ScheduledChunk]) -> StepOutput:
         planned = [
-            ChunkPlan(RequestRef(c.request.id), c.start, c.length, c.token_ids, c.samples, c.num_drafts)
+            ChunkPlan(
+                RequestRef(c.request.id), c.start, c.length, c.token_ids, c.samples, c.num_drafts, c.scored
+            )
             for c in chunks
         ]
         tables = {

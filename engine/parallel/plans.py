@@ -52,6 +52,7 @@ class ChunkPlan:
     token_ids: list[int]
     samples: bool
     num_drafts: int = 0
+    scored: range = range(0)  # positions whose logits score prompt tokens: every rank projects the same rows
 
 
 @dataclass(frozen=True)

@@ -260,6 +260,7 @@ class OpenAIServer:
                 f.logprobs += u.logprobs
                 f.text, f.finish_reason = u.text, u.finish_reason
                 f.cached_tokens += u.cached_tokens
+                f.prompt_logprobs = f.prompt_logprobs if u.prompt_logprobs is None else u.prompt_logprobs
             return finals
 
         async def disconnected() -> None:

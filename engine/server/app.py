@@ -98,7 +98,7 @@ def build_app(
         server.core.stop()
 
     app = FastAPI(title="deepseek-ascend", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_api_route("/v1/models", server.models, methods=["GET"])
+    app.add_api_route("/v1/models", server.models, methods=["GET", "HEAD"])  # HEAD: a client's probe
     app.add_api_route("/v1/models/{model_id:path}", server.model, methods=["GET"])
     app.add_api_route("/tokenize", server.tokenize, methods=["POST"])
     app.add_api_route("/detokenize", server.detokenize, methods=["POST"])
@@ -115,7 +115,7 @@ def build_app(
     async def respond(request: Request) -> Response:
         return await responses(server, request)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         return Response(status_code=200 if server.core.alive and server.core.accepting else 503)
 
@@ -127,7 +127,7 @@ def build_app(
     async def version() -> Response:
         return JSONResponse({"version": package_version("deepseek-ascend")})
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def metrics() -> Response:
         return Response(server.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 

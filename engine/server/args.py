@@ -83,7 +83,6 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument("--gpu-memory-utilization", type=float,
                        help="the share of the device's memory for weights and the KV cache (instead of "
                        "--kv-cache-memory)")  # fmt: skip
-    cache.add_argument("--kv-cache-dtype", default="auto", help="auto only (the model's own cache formats)")
     cache.add_argument(
         "--enforce-eager", action="store_true", help="capture no decode graphs (CUDA / NPU): every step eager"
     )
@@ -262,8 +261,6 @@ def _check(args: argparse.Namespace) -> None:
             f"--chat-template {args.chat_template}: the DeepSeek chat encoding is built in (choose another "
             f"with --chat-encoding, one of {', '.join(PROFILES)})"
         )
-    if args.kv_cache_dtype != "auto":
-        raise ValueError(f"--kv-cache-dtype={args.kv_cache_dtype}: only auto (the model's own cache formats)")
     if args.gpu_memory_utilization is not None:
         if not 0 < args.gpu_memory_utilization <= 1:
             raise ValueError(f"--gpu-memory-utilization={args.gpu_memory_utilization} must be in (0, 1]")

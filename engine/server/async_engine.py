@@ -23,6 +23,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from engine.interface import Engine
+from engine.prompt_logprobs import PromptLogprob
 from engine.request import FinishReason, LogitsProcessor, Request, SamplingParams
 from engine.server.metrics import Metrics
 
@@ -49,6 +50,7 @@ class Update:
     error: str | None = None
     status: int = 500  # with an error: 400 when the request's own input failed, 503 at shutdown
     cached_tokens: int = 0  # in the final update: prompt tokens the prefix cache held
+    prompt_logprobs: list[PromptLogprob] | None = None  # in the first update, when the request asked
 
 
 @dataclass
@@ -267,10 +269,12 @@ class AsyncEngine:
         if tokens:
             sequence.last_token_at = now
         self.metrics.generation_tokens.inc(len(tokens))
+        asked = request.params.prompt_logprobs is not None
+        prompt_logprobs = request.prompt_logprobs if asked and sequence.sent == 0 else None
         sequence.sent = len(request.output)
         if not request.finished:
             text = self.engine.streamed_text(request)
-            sequence.sink(Update(sequence.index, tokens, logprobs, text))
+            sequence.sink(Update(sequence.index, tokens, logprobs, text, prompt_logprobs=prompt_logprobs))
             return
         del self._live[request.id]
         self._release(1)
@@ -282,7 +286,8 @@ class AsyncEngine:
         self._observe_finish(sequence, request, len(completion.token_ids), now)
         self.metrics.finished(completion.finish_reason)
         sequence.sink(Update(sequence.index, tokens, logprobs, completion.text, completion.finish_reason,
-                             cached_tokens=request.num_cached or 0))  # fmt: skip
+                             cached_tokens=request.num_cached or 0,
+                             prompt_logprobs=prompt_logprobs))  # fmt: skip
 
     def _observe_finish(self, sequence: _Sequence, request: Request, generated: int, now: float) -> None:
         metrics, first = self.metrics, sequence.first_token_at

@@ -67,7 +67,11 @@ async def start_chat(server: OpenAIServer, body: ChatCompletionRequest, prefix: 
         raise APIError(str(err), param=param) from None
     processors = await server.processors(grammar, body, param, body.reasoning_budget())
     seqs: list[Seq] = [
-        (prompt, body.sampling_params(max_tokens, top, i, server.generation_defaults), processors[i])
+        (
+            prompt,
+            body.sampling_params(max_tokens, top, i, server.generation_defaults, body.prompt_logprobs),
+            processors[i],
+        )
         for i in range(body.n)
     ]
     limit_param = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
@@ -102,7 +106,9 @@ async def chat_completions(server: OpenAIServer, request: Request) -> Response:
             )
         cached = max((u.cached_tokens for u in finals), default=0)
         usage = server.usage(len(prompt), sum(len(u.token_ids) for u in finals), cached)
-        return JSONResponse({**base, "choices": out, "usage": usage})
+        scored = finals[0].prompt_logprobs  # vLLM's: once per response, beside the choices
+        extra = {} if scored is None else {"prompt_logprobs": server.texts.prompt_logprobs(scored)}
+        return JSONResponse({**base, "choices": out, "usage": usage, **extra})
 
     include_usage, continuous = body.stream_usage()
     base["object"] = "chat.completion.chunk"

@@ -1,7 +1,13 @@
-"""`POST /v1/completions`: text or token-id prompts in, text (and logprobs) out, streamed or not."""
+"""`POST /v1/completions`: text or token-id prompts in, text (and logprobs) out, streamed or not.
+
+With `echo` and `logprobs` the logprobs cover the prompt's tokens too (the first one null: nothing comes
+before it), then the completion's, as vLLM returns them (lm-eval's likelihood tasks read them);
+`max_tokens: 0` with `echo` returns the prompt and its logprobs alone.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator
 
 from fastapi import Request
@@ -21,10 +27,13 @@ async def completions(server: OpenAIServer, request: Request) -> Response:
     )
     processors = await server.processors(None, body)
     seqs: list[Seq] = []
+    prompt_only = body.prompt_only  # the engine still samples one token, which is dropped (as vLLM)
     for p in prompts:
-        max_tokens = server.max_tokens(body.max_tokens, p, "prompt")
+        max_tokens = server.max_tokens(1 if prompt_only else body.max_tokens, p, "prompt")
         params = [
-            body.sampling_params(max_tokens, body.logprobs, i, server.generation_defaults)
+            body.sampling_params(
+                max_tokens, body.logprobs, i, server.generation_defaults, body.prompt_logprobs_count()
+            )
             for i in range(body.n)
         ]
         seqs += [(p, params[i], processors[i]) for i in range(body.n)]
@@ -34,24 +43,36 @@ async def completions(server: OpenAIServer, request: Request) -> Response:
             "model": body.model or server.names[0]}  # fmt: skip
     prompt_tokens = sum(len(p) for p in prompts)
     top = body.logprobs or 0
+    echo_logprobs = body.echo and body.logprobs is not None  # the prompt's tokens lead the logprobs
+
+    def generated(u: Update) -> Update:
+        """What the client sees of an update: nothing of the dropped token when only the prompt is asked."""
+        return dataclasses.replace(u, token_ids=[], logprobs=[], text="") if prompt_only else u
 
     def logprobs(u: Update, offset: int) -> dict | None:
         if body.logprobs is None:
             return None
-        return server.texts.completion_logprobs(u.token_ids, u.logprobs, top, offset)
+        tokens = list(u.token_ids)
+        entries: list[dict[int, float] | None] = [*u.logprobs]
+        if echo_logprobs and u.prompt_logprobs is not None:  # the sequence's first update
+            tokens[:0] = prompts[u.index // body.n]
+            entries[:0] = [None, *(p.entries() for p in u.prompt_logprobs)]
+        return server.texts.completion_logprobs(tokens, entries, top, offset)
 
     echo = [texts[i // body.n] if body.echo else "" for i in range(len(seqs))]
     if not body.stream:
-        finals = await server.collect(request, group)
-        choices = [
-            {
+        finals = [generated(u) for u in await server.collect(request, group)]
+        choices = []
+        for u in finals:
+            choice = {
                 "index": u.index,
                 "text": echo[u.index] + u.text,
-                "logprobs": logprobs(u, len(echo[u.index])),
-                "finish_reason": u.finish_reason,
+                "logprobs": logprobs(u, 0),
+                "finish_reason": "length" if prompt_only else u.finish_reason,
             }
-            for u in finals
-        ]
+            if u.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = server.texts.prompt_logprobs(u.prompt_logprobs)
+            choices.append(choice)
         cached = sum(u.cached_tokens for u in finals if u.index % body.n == 0)  # each prompt's first sequence
         usage = server.usage(prompt_tokens, sum(len(u.token_ids) for u in finals), cached)
         return JSONResponse({**base, "choices": choices, "usage": usage})
@@ -60,21 +81,25 @@ async def completions(server: OpenAIServer, request: Request) -> Response:
 
     async def chunks() -> AsyncIterator[str]:
         releases = [TextRelease(sp.stop) for _, sp, _ in seqs]
-        offsets = [len(e) for e in echo]
-        generated = cached = 0
-        async for u in server.updates(group):
-            generated += len(u.token_ids)
+        offsets = [0] * len(seqs)  # where each choice's next token starts in its text (by token texts)
+        completion_tokens = cached = 0
+        async for update in server.updates(group):
+            u = generated(update)
+            completion_tokens += len(u.token_ids)
             cached += u.cached_tokens if u.index % body.n == 0 else 0
             text = echo[u.index] + releases[u.index].next(u.text, u.finish_reason is not None)
             echo[u.index] = ""
             if not text and u.finish_reason is None and body.logprobs is None:
                 continue
             lp = logprobs(u, offsets[u.index])
-            offsets[u.index] += len(text)
-            choice = {"index": u.index, "text": text, "logprobs": lp, "finish_reason": u.finish_reason}
-            usage = server.usage(prompt_tokens, generated, cached) if continuous else None
+            if lp and lp["tokens"]:
+                offsets[u.index] = lp["text_offset"][-1] + len(lp["tokens"][-1])
+            finish = "length" if prompt_only and u.finish_reason else u.finish_reason
+            choice = {"index": u.index, "text": text, "logprobs": lp, "finish_reason": finish}
+            usage = server.usage(prompt_tokens, completion_tokens, cached) if continuous else None
             yield sse({**base, "choices": [choice], **({"usage": usage} if include_usage else {})})
         if include_usage:
-            yield sse({**base, "choices": [], "usage": server.usage(prompt_tokens, generated, cached)})
+            usage = server.usage(prompt_tokens, completion_tokens, cached)
+            yield sse({**base, "choices": [], "usage": usage})
 
     return server.stream(group, chunks())

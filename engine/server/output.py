@@ -6,11 +6,13 @@ once), so their concatenated content is the same by construction.
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from typing import Any
 
 from tokenizers import Tokenizer
 
+from engine.prompt_logprobs import PromptLogprob, as_vllm
 from model.chat_parse import CompletionParseError, StreamDelta, StreamParser, ToolCall, held_back
 from model.chat_profile import V4_0731, ChatProfile
 from model.tokenizer import THINK_END
@@ -152,16 +154,25 @@ class TokenTexts:
         return out
 
     def completion_logprobs(
-        self, tokens: list[int], logprobs: list[dict[int, float]], top: int, offset: int
+        self, tokens: list[int], logprobs: list[dict[int, float] | None], top: int, offset: int
     ) -> dict[str, list]:
-        """The legacy completions format; `offset` is where this piece starts in the choice's text."""
+        """The legacy completions format; `offset` is where this piece starts in the choice's text. A token
+        without entries (the first of an echoed prompt: nothing comes before it) has null logprobs."""
         out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for token, entries in zip(tokens, logprobs, strict=True):
             text = self.entry(token, 0.0)["token"]
-            best = sorted(entries.items(), key=lambda kv: -kv[1])[:top]
+            best = sorted(entries.items(), key=lambda kv: -kv[1])[:top] if entries else []
             out["tokens"].append(text)
-            out["token_logprobs"].append(entries[token])
-            out["top_logprobs"].append({self.entry(t, 0.0)["token"]: v for t, v in best} if top else None)
+            out["token_logprobs"].append(entries[token] if entries else None)
+            out["top_logprobs"].append({self.entry(t, 0.0)["token"]: v for t, v in best} if best else None)
             out["text_offset"].append(offset)
             offset += len(text)
         return out
+
+    def prompt_logprobs(self, scored: list[PromptLogprob]) -> list[dict[str, dict] | None]:
+        """vLLM's `prompt_logprobs` field: null for the first prompt token, then per token
+        {token id: {logprob, rank, decoded_token}} for the token and the top ones."""
+        return [
+            None if entry is None else {str(t): dataclasses.asdict(lp) for t, lp in entry.items()}
+            for entry in as_vllm(scored, self.tokenizer)
+        ]

@@ -9,7 +9,7 @@ implemented (`UNSUPPORTED`, and any other kind of `structured_outputs`) are refu
 neutral value.
 
 Beyond OpenAI, as vLLM: `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `min_tokens`,
-`stop_token_ids`, `skip_special_tokens`, `include_stop_str_in_output`, `guided_json` /
+`stop_token_ids`, `skip_special_tokens`, `include_stop_str_in_output`, `prompt_logprobs`, `guided_json` /
 `structured_outputs.json`, and for chat `add_generation_prompt` and `chat_template_kwargs` (`thinking`,
 `reasoning_effort`; `reasoning_effort` alone also turns thinking on).
 """
@@ -22,7 +22,14 @@ from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
-from engine.request import FLOAT32_TINY, MAX_STOP_LENGTH, MAX_STOP_STRINGS, SEED_RANGE, SamplingParams
+from engine.request import (
+    FLOAT32_TINY,
+    MAX_LOGPROBS,
+    MAX_STOP_LENGTH,
+    MAX_STOP_STRINGS,
+    SEED_RANGE,
+    SamplingParams,
+)
 
 MAX_SEQUENCES_PER_REQUEST = 64  # prompts x n of one completions request
 # What a checkpoint's generation_config.json may set for the requests that leave it unset.
@@ -148,7 +155,7 @@ def _extra_fields(model: BaseModel, where: str = "") -> list[str]:
 # neutral values: any other value is a 400 naming the field.
 UNSUPPORTED: dict[str, Any] = {
     "use_beam_search": False, "length_penalty": 1.0,
-    "prompt_logprobs": None, "truncate_prompt_tokens": None, "allowed_token_ids": None, "bad_words": None,
+    "truncate_prompt_tokens": None, "allowed_token_ids": None, "bad_words": None,
     "logits_processors": None, "return_tokens_as_token_ids": False, "chat_template": None,
     "continue_final_message": False, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
     "suffix": None, "prediction": None, "audio": None, "echo": False,
@@ -216,6 +223,7 @@ Stop = Annotated[
     BeforeValidator(lambda v: [v] if isinstance(v, str) else v),
 ]
 Seed = Annotated[Int, Field(ge=SEED_RANGE[0], le=SEED_RANGE[1])]
+TopLogprobs = Annotated[Int, Field(ge=0, le=MAX_LOGPROBS)]
 
 
 class Sampling(_Body):
@@ -244,6 +252,7 @@ class Sampling(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # an end-user id for abuse tracking: accepted, not used
+    prompt_logprobs: TopLogprobs | None = None  # vLLM's: each prompt token's logprob and this many top ones
 
     def stream_usage(self) -> tuple[bool, bool]:
         """(a last chunk with the usage, the usage so far in every chunk): what `stream_options` asks."""
@@ -254,13 +263,20 @@ class Sampling(_Body):
         """What the field types alone do not say."""
         if self.stream_options is not None and not self.stream:
             raise APIError("stream_options is only allowed when stream is true", param="stream_options")
+        if self.stream and self.prompt_logprobs:  # vLLM's limit: a stream carries no prompt_logprobs field
+            raise APIError("prompt_logprobs is not available when stream is true", param="prompt_logprobs")
         if self.seed is not None and self.seed + self.n - 1 > SEED_RANGE[1]:
             # Choice i draws from seed + i.
             raise APIError(f"seed={self.seed} must be at most {SEED_RANGE[1] - self.n + 1} for n={self.n}",
                            param="seed")  # fmt: skip
 
     def sampling_params(
-        self, max_tokens: int, logprobs: int | None, index: int, defaults: dict[str, float] | None = None
+        self,
+        max_tokens: int,
+        logprobs: int | None,
+        index: int,
+        defaults: dict[str, float] | None = None,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         """The engine's parameters of choice `index`; `defaults` (the checkpoint's generation config)
         stand in for the fields of GENERATION_FIELDS the request left unset."""
@@ -280,6 +296,7 @@ class Sampling(_Body):
                 presence_penalty=self.presence_penalty,
                 frequency_penalty=self.frequency_penalty,
                 logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
                 stop=stops,
                 stop_token_ids=tuple(self.stop_token_ids or ()),
                 ignore_eos=self.ignore_eos,
@@ -307,10 +324,25 @@ class Sampling(_Body):
 
 class CompletionRequest(Sampling):
     prompt: str | list[str] | list[Int] | list[list[Int]]
-    max_tokens: Annotated[Int, Field(ge=1)] | None = 16
-    logprobs: Annotated[Int, Field(ge=0, le=20)] | None = None
+    max_tokens: Annotated[Int, Field(ge=0)] | None = 16  # 0: with echo, the prompt scored alone
+    logprobs: TopLogprobs | None = None
     echo: bool = False
     best_of: Int | None = None
+
+    def check(self) -> None:
+        super().check()
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError("max_tokens=0 needs echo (the prompt and its logprobs, nothing generated)",
+                           param="max_tokens")  # fmt: skip
+
+    @property
+    def prompt_only(self) -> bool:
+        """echo with max_tokens 0: the prompt (and its logprobs) returned, nothing generated."""
+        return self.echo and self.max_tokens == 0
+
+    def prompt_logprobs_count(self) -> int | None:
+        """The prompt logprobs to compute: as asked, else with echo those the echoed tokens show (vLLM's)."""
+        return self.prompt_logprobs if self.prompt_logprobs is not None or not self.echo else self.logprobs
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -360,7 +392,7 @@ class ChatCompletionRequest(Sampling, _ChatTemplate):
     max_tokens: Annotated[Int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[Int, Field(ge=1)] | None = None
     logprobs: bool = False
-    top_logprobs: Annotated[Int, Field(ge=0, le=20)] | None = None
+    top_logprobs: TopLogprobs | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     response_format: ResponseFormat | None = None

@@ -71,6 +71,14 @@ def oversized_tile_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):  # gate: over t
     tl.store(y_ptr + offs, x * 2.0, mask=offs < n)
 
 
+# A 128 KiB fp32 tile through a cumsum: the IR holds the one tile, under the budget, but BiSheng's scan
+# needs a second one beside it, 256 KiB of the 192 KiB unified buffer. Only its memory planning sees it.
+@triton.jit
+def scan_overflow_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):  # gate: ub overflow, requires
+    offs = tl.arange(0, BLOCK)
+    tl.store(y_ptr + offs, tl.cumsum(tl.load(x_ptr + offs), 0))
+
+
 # In no KERNELS entry: nothing would ever lower it.
 @triton.jit
 def undeclared_kernel(x_ptr, BLOCK: tl.constexpr):  # gate: in no KERNELS entry
@@ -96,6 +104,9 @@ KERNELS = (
     ),
     TunedKernel(
         oversized_tile_kernel, (TuneConfig({"BLOCK": 32768}, 128 * 1024),), variants=(Variant({}, (_VEC,)),)
+    ),
+    TunedKernel(
+        scan_overflow_kernel, (TuneConfig({"BLOCK": 32768}, 128 * 1024),), variants=(Variant({}, (_VEC,)),)
     ),
     TunedKernel(
         cube_as_vector_kernel,

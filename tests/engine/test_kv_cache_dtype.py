@@ -11,6 +11,7 @@ import torch
 from engine.config import KV_CACHE_DTYPES, EngineConfig
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
+from engine.server.args import engine_config, parse_args
 from model import cache
 from model.cache import check_kv_cache_device
 from model.testing.tiny import cached_tiny
@@ -60,6 +61,11 @@ def test_rejected_drafts_roll_back_exactly(tiny):
     out, _ = spec.run(drafted, prompts, spec.GREEDY)
     assert 0 < drafted.spec_stats.accepted < drafted.spec_stats.drafted
     assert out == plain
+
+
+def test_the_server_flag_sets_the_cache_dtype() -> None:
+    assert engine_config(parse_args(["--kv-cache-dtype", "int8"])).kv_cache_dtype == "int8"
+    assert engine_config(parse_args([])).kv_cache_dtype == "auto"
 
 
 def test_llm_takes_the_cache_dtype() -> None:

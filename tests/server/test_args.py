@@ -69,7 +69,7 @@ def test_a_yaml_config_under_the_command_line(tmp_path):
         (["--data-parallel-size", "2"], "--data-parallel-size=2"),
         (["--dtype", "float16"], "--dtype=float16"),
         (["--device", "tpu"], "invalid choice: 'tpu'"),
-        (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype=fp8"),
+        (["--kv-cache-dtype", "int4"], "invalid choice: 'int4'"),
         (["--num-speculative-tokens", "2"], "--num-speculative-tokens needs a method"),
         (["--speculative-config", '{"method": "eagle"}'], "method='eagle'"),
         (["--speculative-config", '{"method": "mtp", "model": "x"}'], "model not supported"),

@@ -7,7 +7,6 @@ docs/ascend-gate.md for what each check proves.
 from __future__ import annotations
 
 import linecache
-import os
 import re
 import subprocess
 import tempfile
@@ -18,6 +17,7 @@ from typing import Any
 from triton.backends.ascend.compiler import AscendAttrsDescriptor, _get_triton_adapter_opt_path
 from triton.runtime.jit import JITFunction
 
+from ascend_gate import rel_path
 from triton_kernels.spec import IN_BOUNDS_MARK
 
 # A tt.load / tt.store line of the TTIR: its operands (pointer, then mask, then other) and its location.
@@ -38,11 +38,6 @@ _SCALAR_FALLBACKS = {
 _STATIC_BUFFER = re.compile(
     r"= (?:memref\.alloc|tensor\.empty|bufferization\.alloc_tensor)\(\) : (?:memref|tensor)<([^,>]*)>"
 )
-
-
-def rel_path(path: str) -> str:
-    """``path`` relative to the working directory when it lies below it (messages name repository files)."""
-    return os.path.relpath(path) if os.path.abspath(path).startswith(os.getcwd() + os.sep) else path
 
 
 def _location_keys(mlir: str) -> dict[str, str]:

@@ -1,15 +1,16 @@
-"""Ascend lowering gate: every Triton kernel of ``triton_kernels``, compiled by triton-ascend.
+"""Ascend lowering gate: every Triton kernel of ``triton_kernels``, compiled by triton-ascend and BiSheng.
 
 The interpreter proves that a kernel computes the right thing, not that Triton-Ascend can compile it.
 This lowers each (kernel, dtype variant, autotune config) that the op modules declare in ``KERNELS``,
 each kernel once more with the runtime's specialisation hints, and every launch recorded from the tiny
 models, through triton-ascend's ``ttir`` and ``ttadapter`` stages for the A2/A3 target (and, asked for,
 the adapter's Ascend 950 variant): that is the MLIR CANN's BiSheng compiler takes. Every lowering's
-masked accesses that Ascend unmasks must be marked in bounds (``ascend_ir``). BiSheng itself
-(unified-buffer planning, the binary) needs CANN and is not run. It needs triton-ascend, which cannot
-share an environment with upstream triton: ``.ci/ascend_gate.sh`` builds one. See docs/ascend-gate.md.
+masked accesses that Ascend unmasks must be marked in bounds (``ir``). Every A2/A3 lowering then goes
+through ``bishengir-compile`` up to its unified-buffer plan (``bisheng``; the binary needs ``hivmc``,
+which is not shipped). It needs triton-ascend, which cannot share an environment with upstream
+triton: ``.ci/ascend_gate.sh`` builds one. See docs/ascend-gate.md.
 
-    python -m triton_kernels.ascend_check [--targets a2,a3,950] [--module tests/ascend/bad_kernels.py ...]
+    python -m ascend_gate [--targets a2,a3,950] [--module tests/ascend/bad_kernels.py ...]
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
@@ -38,6 +40,9 @@ from typing import IO, Any
 
 # Read when @triton.jit decorates, triton's own library included: interpreted functions do not compile.
 os.environ.pop("TRITON_INTERPRET", None)
+# The adapter keeps the kernels' source locations in the MLIR, so BiSheng's errors name our lines. Only
+# locations change: BiSheng plans the same buffers with them as without (checked on 19 lowerings).
+os.environ["TRITON_DISABLE_LINE_INFO"] = "false"
 
 from triton._C.libtriton import ir
 from triton.backends.compiler import GPUTarget
@@ -45,6 +50,7 @@ from triton.compiler import ASTSource
 from triton.compiler.errors import CompilationError
 
 import triton_kernels
+from ascend_gate import bisheng, rel_path
 from triton_kernels.sku import ASCEND_UB_BYTES
 from triton_kernels.spec import TuneConfig
 from triton_kernels.tuning import TunedKernel
@@ -53,11 +59,10 @@ try:  # upstream triton has neither the Ascend backend nor this helper
     from triton.backends.ascend.compiler import AscendBackend
     from triton.runtime.jit import JITFunction, KernelInterface, get_jit_fn_file_line
 
-    from triton_kernels.ascend_ir import (
+    from ascend_gate.ir import (
         SPECIALISATIONS,
         LintCrash,
         dropped_masks,
-        rel_path,
         scalar_fallbacks,
         specialised,
         static_buffer_bytes,
@@ -65,10 +70,9 @@ try:  # upstream triton has neither the Ascend backend nor this helper
     )
 except ImportError as exc:
     raise SystemExit(
-        f"ascend_check needs triton-ascend, in a venv of its own: run .ci/ascend_gate.sh ({exc})"
+        f"the Ascend gate needs triton-ascend, in a venv of its own: run .ci/ascend_gate.sh ({exc})"
     ) from None
 
-_TOOLING = ("triton_kernels.ascend_check", "triton_kernels.ascend_ir")  # the gate, not op modules
 # Every config's IR estimate, single-buffered, should leave BiSheng a fifth of the unified buffer for its
 # own temporaries: on overflow it silently drops code motion, then multibuffering.
 UB_BUDGET_BYTES = int(0.8 * ASCEND_UB_BYTES)
@@ -107,6 +111,37 @@ class Report:
     fallbacks: dict[str, int] = field(default_factory=dict)
     sweeps: int = 0  # lowerings with runtime-style specialisation, and how many lowered
     swept: int = 0
+    # Per config index: BiSheng's worst plan over dtype variants (a failure, else the largest UB).
+    plans: dict[int, bisheng.Plan] = field(default_factory=dict)
+    # Lowerings through BiSheng, those it failed, and of those the ones bisheng.KNOWN_FAILURES lists; the
+    # first message of each kind.
+    compiled: int = 0
+    compile_failures: int = 0
+    known_failures: int = 0
+    bisheng_error: str | None = None
+    known_error: str | None = None
+
+    @property
+    def verdict(self) -> str:
+        """FAIL on any error; KNOWN when its only failures are those bisheng.KNOWN_FAILURES lists."""
+        return "FAIL" if self.errors else "KNOWN" if self.known_failures else "PASS"
+
+    def plan(self, index: int, result: bisheng.Plan, context: str, kernel: str) -> None:
+        self.compiled += 1
+        if (error := result.error) is None and result.ub_bytes > ASCEND_UB_BYTES:
+            error = f"plans {_kib(result.ub_bytes)} of UB, over the {_kib(ASCEND_UB_BYTES)} unified buffer"
+        if error is not None:
+            self.compile_failures += 1
+            message = f"{context} bisheng: {result.where or self.where}: {error}"
+            if bisheng.known(kernel, error):
+                self.known_failures += 1
+                self.known_error = self.known_error or message
+            else:
+                self.errors.append(message)
+                self.bisheng_error = self.bisheng_error or message
+        worst = self.plans.get(index)
+        if worst is None or _severity(worst) < _severity(result):
+            self.plans[index] = result
 
     def count_fallbacks(self, ttir: str) -> None:
         for kind, found in scalar_fallbacks(ttir).items():
@@ -130,6 +165,11 @@ class Report:
 
     def over_budget(self, index: int) -> bool:
         return self.estimates.get(index, 0) > UB_BUDGET_BYTES
+
+
+def _severity(plan: bisheng.Plan) -> tuple[bool, int]:
+    """A failure is worse than any plan; then the more UB, the worse."""
+    return plan.error is not None, plan.ub_bytes
 
 
 def _where(fn: JITFunction) -> str:
@@ -161,7 +201,7 @@ def _referenced(fn: JITFunction) -> Iterator[JITFunction]:
 
 def _modules(paths: list[str]) -> Iterator[tuple[str, ModuleType | Exception]]:
     package = pkgutil.walk_packages(triton_kernels.__path__, "triton_kernels.")
-    for item in paths or [m.name for m in package if m.name not in _TOOLING]:
+    for item in paths or [m.name for m in package]:
         try:
             if item.endswith(".py"):
                 spec = importlib.util.spec_from_file_location(Path(item).stem, item)
@@ -273,7 +313,9 @@ def check(
     known: dict[str, JITFunction],
     targets: tuple[tuple[str, GPUTarget, dict[str, Any]], ...] = TARGETS[:1],
     sweep: bool = True,
+    plan_cache: Path | None = None,
 ) -> Report:
+    """Every lowering of ``tuned``; each A2/A3 one through BiSheng too (``plan_cache``: its results)."""
     fn = tuned.kernel
     report = Report(f"{module}.{tuned.name}", _where(fn), tuned.configs)
     if not tuned.variants or not all(v.signatures for v in tuned.variants):
@@ -314,6 +356,10 @@ def check(
                         )
                     estimate = static_buffer_bytes(mlir)
                     report.estimates[index] = max(report.estimates.get(index, 0), estimate)
+                    # BiSheng's 950 back half is another binary with other options: A2/A3 only.
+                    if label == TARGETS[0][0]:
+                        plan = bisheng.plan(mlir, target.arch, config.multibuffer, plan_cache)
+                        report.plan(index, plan, context, f"{module}.{tuned.name}")
         # The runtime specialises every launch; once per variant (first dtypes and config) is enough for
         # the front end and the adapter, whose work does not depend on tile sizes.
         if not sweep or not variant.signatures:
@@ -369,7 +415,7 @@ def _check_job(index: int) -> Report:
     label, module, tuned, sweep = _WORK["jobs"][index]
     if tuned is None:
         return Report(label, module, (), [f"{label}: no declaration in KERNELS names it"])
-    report = check(tuned, module, _WORK["known"], _WORK["targets"], sweep)
+    report = check(tuned, module, _WORK["known"], _WORK["targets"], sweep, _WORK["plan_cache"])
     report.label = label
     return report
 
@@ -378,14 +424,24 @@ def _check_all(
     jobs: list[tuple[str, str, TunedKernel | None, bool]],
     known: dict[str, JITFunction],
     targets: tuple[tuple[str, GPUTarget, dict[str, Any]], ...],
+    plan_cache: Path | None,
 ) -> list[Report]:
-    """``check`` of every job, on one process per core (each lowering is single-threaded)."""
-    _WORK.update(jobs=jobs, known=known, targets=targets)
+    """``check`` of every job, on one process per core (each lowering and BiSheng run is single-threaded)."""
+    _WORK.update(jobs=jobs, known=known, targets=targets, plan_cache=plan_cache)
     workers = min(len(jobs), os.cpu_count() or 1)
     if workers <= 1:
         return [_check_job(i) for i in range(len(jobs))]
+    # The kernels with the most lowerings first, so that no long one starts last and runs alone.
+    order = sorted(range(len(jobs)), key=lambda i: -_lowerings(jobs[i][2]))
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
-        return list(pool.map(_check_job, range(len(jobs))))
+        done = dict(zip(order, pool.map(_check_job, order), strict=True))
+    return [done[i] for i in range(len(jobs))]
+
+
+def _lowerings(tuned: TunedKernel | None) -> int:
+    if tuned is None:
+        return 0
+    return len(tuned.configs) * sum(len(variant.signatures) for variant in tuned.variants)
 
 
 def _kib(n: int) -> str:
@@ -394,15 +450,18 @@ def _kib(n: int) -> str:
 
 def _print(report: Report) -> None:
     modes = "+".join(sorted(report.mix_modes)) or "-"
-    print(f"{'FAIL' if report.errors else 'PASS'}  {report.label}  mix_mode={modes}  {report.where}")
+    print(f"{report.verdict}  {report.label}  mix_mode={modes}  {report.where}")
     for index, config in enumerate(report.configs):
         params = _assignments(config.params, " ")
         estimate = _kib(report.estimates[index]) if index in report.estimates else "-"
         flag = "  ! IR buffers exceed the declared footprint" if report.over_declared(index) else ""
         flag += "  OVER 80 % OF UB" if report.over_budget(index) else ""
+        if (plan := report.plans.get(index)) is not None and plan.dropped and plan.error is None:
+            flag += f"  BiSheng dropped {' and '.join(plan.dropped)} to fit"
+        planned = _plan(report.plans.get(index))
         print(
-            f"      {params:<32} IR static buffers {estimate:>10}   declared {_kib(config.ub_bytes):>10}"
-            f" (resident {_kib(config.resident_bytes)}){flag}"
+            f"      {params:<32} IR static buffers {estimate:>10}   BiSheng {planned:>14}"
+            f"   declared {_kib(config.ub_bytes):>10} (resident {_kib(config.resident_bytes)}){flag}"
         )
     if report.fallbacks:
         print(
@@ -414,11 +473,39 @@ def _print(report: Report) -> None:
     if report.errors:
         more = f"   (+{len(report.errors) - 1} more)" if len(report.errors) > 1 else ""
         print(f"      first error: {report.errors[0]}{more}")
+    if report.bisheng_error and report.bisheng_error != report.errors[0]:
+        print(f"      first BiSheng error: {report.bisheng_error}")
+    if report.known_error:
+        print(f"      known BiSheng failure ({report.known_failures} lowerings): {report.known_error}")
+
+
+def _plan(plan: bisheng.Plan | None) -> str:
+    """A config's BiSheng column: the UB it plans, or FAIL with the UB it required if it said."""
+    if plan is None:
+        return "-"
+    if plan.error is not None:
+        return f"FAIL {_kib(plan.ub_bytes)}" if plan.ub_bytes else "FAIL"
+    return _kib(plan.ub_bytes)
+
+
+def _print_table(reports: list[Report]) -> None:
+    print("| kernel | config | IR estimate | BiSheng's plan |\n| --- | --- | ---: | ---: |")
+    for report in reports:
+        for index, config in enumerate(report.configs):
+            estimate = _kib(report.estimates[index]) if index in report.estimates else "-"
+            plan = report.plans.get(index)
+            if plan and plan.dropped and not plan.error:
+                planned = f"{_plan(plan)} (without {' and '.join(plan.dropped)})"
+            else:
+                planned = _plan(plan)
+            params = _assignments(config.params, " ") or "-"
+            print(f"| `{report.label}` | `{params}` | {estimate} | {planned} |")
 
 
 def _discover(paths: list[str]) -> tuple[list[tuple[str, TunedKernel]], dict[JITFunction, str], list[str]]:
-    """The declared kernels, every @jit function the modules define (with its module), import failures."""
-    specs: list[tuple[str, TunedKernel]] = []
+    """The declared kernels (the op registry's, or the ``KERNELS`` of the module files given), every @jit
+    function the scanned modules define (with its module), and the modules that failed."""
+    declaring: dict[str, ModuleType] = {}
     defined: dict[JITFunction, str] = {}
     broken: list[str] = []
     for name, module in _modules(paths):
@@ -426,11 +513,24 @@ def _discover(paths: list[str]) -> tuple[list[tuple[str, TunedKernel]], dict[JIT
             print(f"FAIL  import {name}: {type(module).__name__}: {module}")
             broken.append(name)
             continue
-        specs += [(name, spec) for spec in getattr(module, "KERNELS", ())]
+        if getattr(module, "KERNELS", ()):
+            declaring[name] = module
         for obj in vars(module).values():
             if (fn := _jit(obj)) is not None and fn.fn.__module__ == module.__name__:
                 defined[fn] = name
-    return specs, defined, broken
+    if paths:
+        return (
+            [(name, spec) for name, module in declaring.items() for spec in module.KERNELS],
+            defined,
+            broken,
+        )
+    registry = sys.modules.get("triton_kernels.ops")  # absent when it failed to import, reported above
+    if registry is None:
+        return [], defined, broken
+    for name in sorted(declaring.keys() - registry.OPS.keys()):
+        print(f"FAIL  {name}: declares KERNELS, but triton_kernels.ops.OPS does not list it")
+        broken.append(name)
+    return registry.declared_kernels(), defined, broken
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -448,6 +548,16 @@ def main(argv: list[str] | None = None) -> int:
         "--targets",
         default="a2,a3",
         help="comma-separated targets: a2, a3 (one lowering covers both) and 950 (default a2,a3)",
+    )
+    parser.add_argument(
+        "--bisheng-cache",
+        type=Path,
+        default=Path(sys.prefix, "bisheng-cache"),
+        metavar="DIR",
+        help="BiSheng's results per (module, options, compiler version); default: in the gate's venv",
+    )
+    parser.add_argument(
+        "--table", action="store_true", help="also print docs/ascend-gate.md's table of the UB per config"
     )
     parser.add_argument(
         "--launches",
@@ -473,15 +583,19 @@ def main(argv: list[str] | None = None) -> int:
     imported = time.perf_counter()
     jobs = [(f"{name}.{tuned.name}", name, tuned, True) for name, tuned in specs]
     launched = [] if args.module else launched_kernels(Path(args.launches), specs)
-    checked = _check_all(jobs + [(label, op, tuned, False) for label, op, tuned in launched], known, targets)
-    reports, launches = checked[: len(jobs)], checked[len(jobs) :]
+    declared = len(jobs)
+    jobs += [(label, op, tuned, False) for label, op, tuned in launched]
+    checked = _check_all(jobs, known, targets, args.bisheng_cache)
+    reports, launches = checked[:declared], checked[declared:]
     for report in reports:
         _print(report)
     for report in launches:
         modes = "+".join(sorted(report.mix_modes)) or "-"
-        print(f"{'FAIL' if report.errors else 'PASS'}  {report.label}  mix_mode={modes}")
+        print(f"{report.verdict}  {report.label}  mix_mode={modes}  BiSheng {_plan(report.plans.get(0))}")
         if report.errors:
             print(f"      first error: {report.errors[0]}")
+        if report.known_error:
+            print(f"      known BiSheng failure: {report.known_error}")
     failed += [r.label for r in launches if r.errors]
     for fn, name in defined.items():
         if fn not in covered:
@@ -497,6 +611,8 @@ def main(argv: list[str] | None = None) -> int:
     if over := sum(r.over_declared(i) for r in reports for i in range(len(r.configs))):
         print(f"note: {over} config(s) marked '!' allocate more static buffers in the IR than they declare")
     passed = sum(not r.errors for r in reports)
+    known_kernels = sum(r.verdict == "KNOWN" for r in reports)
+    held = f" ({known_kernels} of the passed with known BiSheng failures)" if known_kernels else ""
     pairs = sum(len(r.configs) for r in reports)
     dropped = {site for r in reports + launches for site in r.dropped}
     unproven = {site for r in reports + launches for site in r.unproven}
@@ -516,19 +632,38 @@ def main(argv: list[str] | None = None) -> int:
         f" {_kib(UB_BUDGET_BYTES)} (80 % of {_kib(ASCEND_UB_BYTES)}) in the IR"
         + (f"; over it: {'; '.join(over)}" if over else "")
     )
+    compiled = reports + launches
+    known_by_kernel: Counter[str] = Counter()
+    for report in compiled:
+        known_by_kernel[report.label.split(" ")[0]] += report.known_failures
+    for kernel in sorted(bisheng.KNOWN_FAILURES.keys() & known_by_kernel.keys()):
+        if not known_by_kernel[kernel]:
+            print(f"FAIL  {kernel}: listed in bisheng.KNOWN_FAILURES but no longer fails: unlist it")
+            failed.append(kernel)
+    planned = [
+        (p.ub_bytes, r.label, r.configs[i]) for r in compiled for i, p in r.plans.items() if not p.error
+    ]
+    largest = max(planned, default=(0, "-", TuneConfig({}, 0)), key=lambda p: p[0])
+    known = sum(r.known_failures for r in compiled)
+    listed = f" ({known} of them the known failures of bisheng.KNOWN_FAILURES)" if known else ""
+    failures = sum(r.compile_failures for r in compiled)
+    print(
+        f"bisheng: {sum(r.compiled for r in compiled) - failures} of {sum(r.compiled for r in compiled)}"
+        f" lowerings through bishengir-compile ({bisheng.version().split(' (')[0]}, up to memory planning),"
+        f" {failures} failed{listed}, largest planned UB {_kib(largest[0])}"
+        f" ({largest[1]} {_assignments(largest[2].params)})"
+    )
     if not args.module:
         print(
             f"launched-constexpr coverage: {sum(not r.errors for r in launches)} of {len(launches)} launches"
             f" recorded from the models lower ({args.launches})"
         )
+    if args.table:
+        _print_table(reports)
     labels = " and ".join(label for label, _, _ in targets)
     print(
-        f"{passed} passed, {len(failed)} failed: {pairs} (kernel, config) pairs lowered for {labels}"
+        f"{passed} passed, {len(failed)} failed{held}: {pairs} (kernel, config) pairs lowered for {labels}"
         f" ({sum(r.lowerings for r in reports)} lowerings with the dtype variants)"
         f" in {time.perf_counter() - imported:.1f} s (+{imported - start:.1f} s imports)"
     )
     return 1 if failed else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,5 @@
+import sys
+
+from ascend_gate.check import main
+
+sys.exit(main())
