@@ -65,6 +65,7 @@ class EngineConfig:
     data_parallel_size: int = _flag(1, "ranks with their own requests, scheduler and KV cache", cli=False)
     enable_expert_parallel: bool = _flag(False, "split the routed experts over the data-parallel ranks",
                                          cli=False)  # fmt: skip
+    enforce_eager: bool = _flag(False, "capture no decode graphs: every step eager", cli=False)
 
     @property
     def world_size(self) -> int:
@@ -81,6 +82,12 @@ class EngineConfig:
     def prefix_caching(self) -> bool:
         """Whether prefix caching is on: as asked, else on (under tensor and data parallel too)."""
         return self.enable_prefix_caching is not False
+
+    @property
+    def decode_width(self) -> int:
+        """Tokens a verifying decode chunk computes as the flags give it (1 + drafts; DSpark's block
+        default is the model's, counted as one draft here)."""
+        return 1 + (self.num_speculative_tokens or (1 if self.speculative_method else 0))
 
     @property
     def lookahead(self) -> int:

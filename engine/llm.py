@@ -72,9 +72,9 @@ class LLM:
         ``max_num_batched_tokens``, ``block_size``, ``seed``, ...); ``dtype`` auto is bfloat16 on npu / cuda
         and float32 on cpu, ``device`` defaults to the accelerator present, ``quantization`` is the
         checkpoint's own format (``fp8``, ``ascend``; None: whatever it stores) or ``w8a8`` (requantise an FP8
-        checkpoint to int8 at load); ``trust_remote_code`` and ``enforce_eager`` are accepted as vLLM's and
-        change nothing here. ``tensor_parallel_size`` N > 1 spawns N - 1 worker processes (``close()`` ends
-        them). ``data_parallel_size`` D > 1 (with
+        checkpoint to int8 at load); ``enforce_eager`` turns the decode graphs off (CUDA / NPU);
+        ``trust_remote_code`` is accepted as vLLM's and changes nothing here. ``tensor_parallel_size``
+        N > 1 spawns N - 1 worker processes (``close()`` ends them). ``data_parallel_size`` D > 1 (with
         ``enable_expert_parallel``) runs D engines, one process each, the routed experts split over them."""
         known = {f.name for f in dataclasses.fields(EngineConfig)}
         if unknown := sorted(set(engine_args) - known):
@@ -87,6 +87,7 @@ class LLM:
             tensor_parallel_size=tensor_parallel_size,
             data_parallel_size=data_parallel_size,
             enable_expert_parallel=enable_expert_parallel,
+            enforce_eager=enforce_eager,
             **engine_args,
         )
         started = start_engine(model, config, device, dtype, quantization)

@@ -12,6 +12,7 @@ import torch
 from tokenizers import Tokenizer
 
 from engine.config import EngineConfig
+from engine.decode_graphs import DecodeGraphs
 from engine.detokenizer import IncrementalDetokenizer
 from engine.interface import EngineStats
 from engine.kv_cache import KVCacheManager
@@ -76,6 +77,10 @@ class LLMEngine:
         self.proposer, self.num_drafts = build_proposer(
             config, model, self.runner.pools, self.sampler, proposer, self.runner.share
         )
+        if (
+            type(self.runner) is ModelRunner
+        ):  # not over tensor-parallel ranks: each would need the same graphs
+            self.runner.graphs = DecodeGraphs.for_engine(model, self.runner.pools, config, self.num_drafts)
         self.spec_stats = SpecDecodeStats()
         self.lookahead = self.proposer.lookahead if self.proposer else 0
         self.scheduler = Scheduler(

@@ -79,6 +79,7 @@ def plan_memory(
     device_bytes: int | None = None,
     lookahead: int = 0,
     parallel: ParallelContext | None = None,
+    graph_tokens: int = 0,
     kv_cache_dtype: str = "auto",
     engram_offload: bool = False,
 ) -> MemoryPlan:
@@ -88,12 +89,15 @@ def plan_memory(
     them beside the weights and activations (``device_bytes``, when given). ``max_model_len`` None (vLLM's
     ``auto``): the longest request that KV cache holds, at most the model's ``max_position_embeddings``.
     ``kv_cache_dtype`` sizes the blocks as the cache stores its rows (``model.cache.row_formats``);
-    ``engram_offload`` keeps the Engram tables in host memory, out of the device's weights."""
+    ``engram_offload`` keeps the Engram tables in host memory, out of the device's weights.
+    ``graph_tokens``: the largest captured decode step's tokens; the graphs' memory pool holds that step's
+    activations beside the eager workspace."""
     model, _, _ = plan_shard(path, dtype, quantization, parallel)
     host = engram_table_bytes(model) if engram_offload else 0
     weights = sum(t.numel() * t.element_size() for t in model.state_dict().values()) - host
     itemsize = torch.empty(0, dtype=dtype).element_size()
     activations = activation_bytes(model.cfg, max_num_batched_tokens, itemsize)
+    activations += activation_bytes(model.cfg, graph_tokens, itemsize)
     if gpu_memory_utilization is not None:
         if device_bytes is None:
             raise ValueError("gpu_memory_utilization needs the device's memory size")

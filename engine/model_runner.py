@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.decode_graphs import DecodeGraphs
 from engine.kv_cache import KVCacheManager
 from engine.request import Proposal
 from engine.scheduler import ScheduledChunk
@@ -37,6 +38,7 @@ class ModelRunner:
         self.device = weight.device
         self.pools = KVPools(model.cfg, cache.layout, cache.num_blocks, weight.dtype, weight.device)
         self.seqs: dict[str, SeqCache] = {}
+        self.graphs: DecodeGraphs | None = None  # decode steps replayed as graphs; None: every step eager
 
     @torch.no_grad()
     def run(self, chunks: list[ScheduledChunk]) -> StepOutput:
@@ -54,17 +56,21 @@ class ModelRunner:
             if chunk.samples:
                 counts.append(chunk.num_drafts + 1)
                 rows.extend(range(len(ids) - counts[-1], len(ids)))
-        batch = Batch.build(self.pools, seqs, [c.length for c in chunks], self.device)
+        lengths = [c.length for c in chunks]
         tokens = torch.tensor(ids, device=self.device)
         scored, scored_counts = scored_rows(chunks)
-        logits, features = self.model.batch_forward(
-            tokens, batch, torch.tensor(rows + scored, dtype=torch.long, device=self.device)
-        )
+        graphed = self.graphs is not None and not scored and decoding(chunks)
+        shape = self.graphs.handles(seqs, lengths) if graphed else None
+        if shape is not None:
+            logits, features = self.graphs.run(shape, seqs, tokens)
+        else:
+            batch = Batch.build(self.pools, seqs, lengths, self.device)
+            logits, features = self.model.batch_forward(
+                tokens, batch, torch.tensor(rows + scored, dtype=torch.long, device=self.device)
+            )
         sampled, prompt = logits[: len(rows)], logits[len(rows) :]
         return StepOutput(
-            list(sampled.split(counts)),
-            list(features.split([c.length for c in chunks])),
-            list(prompt.split(scored_counts)),
+            list(sampled.split(counts)), list(features.split(lengths)), list(prompt.split(scored_counts))
         )
 
     @torch.no_grad()
@@ -93,6 +99,11 @@ class ModelRunner:
 
     def release(self, request_id: str) -> None:
         self.seqs.pop(request_id, None)
+
+
+def decoding(chunks: list[ScheduledChunk]) -> bool:
+    """Every chunk continues its request and samples at each of its tokens (1 + drafts): a decode step."""
+    return all(c.start > 0 and c.samples and c.length == c.num_drafts + 1 for c in chunks)
 
 
 def scored_rows(chunks: list[ScheduledChunk]) -> tuple[list[int], list[int]]:

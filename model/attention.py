@@ -16,11 +16,16 @@ from model.compressor import Compressor
 from model.config import ModelConfig
 from model.layers import RMSNorm, linear
 from model.plan import LayerPlan
-from triton_kernels.indexer import IndexQueries, KeyPool, indexer_logits, indexer_topk
-from triton_kernels.quant import quantize_int8
-from triton_kernels.rmsnorm import rms_norm
-from triton_kernels.rope import apply_rope
-from triton_kernels.sparse_attn import KVPool, sparse_attention
+from triton_kernels.custom_ops import (
+    apply_rope,
+    indexer_logits,
+    indexer_topk,
+    quantize_int8,
+    rms_norm,
+    sparse_attention,
+)
+from triton_kernels.indexer import IndexQueries, KeyPool
+from triton_kernels.sparse_attn import KVPool
 
 
 def index_queries(
@@ -52,10 +57,9 @@ class Indexer(nn.Module):
 
     def compress(self, x: torch.Tensor, batch: Batch, inv_freq: torch.Tensor) -> None:
         """Store the index keys of the groups ``x`` closes in the layer's key pool."""
-        layer, pool = self.plan.index, batch.pools.index_keys[self.plan.index]
-        states = self.compressor.states_of([seq.indexers for seq in batch.seqs], layer, x.device)
-        keys, request, numbers = self.compressor.pool_batch(x, batch.bounds, states, inv_freq)
-        batch.store(pool, self.plan.compress_ratio, request, numbers, keys)
+        layer = self.plan.index
+        keys, request, numbers = self.compressor.pool_step(x, batch, "indexers", layer, inv_freq)
+        batch.store(batch.pools.index_keys[layer], self.plan.compress_ratio, request, numbers, keys)
 
     def _operands(
         self, x: torch.Tensor, q_r: torch.Tensor, batch: Batch, inv_freq: torch.Tensor
@@ -113,7 +117,7 @@ class SharedKVAttention(nn.Module):
     def window_keys(self, kv: torch.Tensor, batch: Batch) -> KVPool:
         """Store the tokens' window keys; each token reads the W newest positions of its request."""
         pool = batch.pools.window[self.plan.index]
-        pool.write(batch.window_write, kv)
+        batch.write(pool, batch.window_write, kv)
         return pool.attended(batch.window_read)
 
     def output(
@@ -143,8 +147,9 @@ class V4Attention(SharedKVAttention):
         pools = [self.window_keys(kv, batch)]
         if plan.has_compressor:
             pool, ratio = batch.pools.entries[plan.index], plan.compress_ratio
-            states = self.compressor.states_of([s.compressors for s in batch.seqs], plan.index, x.device)
-            entries, request, numbers = self.compressor.pool_batch(x, batch.bounds, states, inv_freq)
+            entries, request, numbers = self.compressor.pool_step(
+                x, batch, "compressors", plan.index, inv_freq
+            )
             batch.store(pool, ratio, request, numbers, entries)
             if plan.has_indexer:
                 self.indexer.compress(x, batch, inv_freq)

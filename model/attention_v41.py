@@ -20,14 +20,13 @@ from model.config import ModelConfig
 from model.layers import RMSNorm, linear
 from model.plan import Attention as Kind
 from model.plan import Candidates, LayerPlan
-from triton_kernels.indexer import (
-    IndexQueries,
-    KeyPool,
+from triton_kernels.custom_ops import (
+    apply_rope,
     indexer_topk,
     indexer_topk_and_candidates,
     indexer_topk_in_candidates,
 )
-from triton_kernels.rope import apply_rope
+from triton_kernels.indexer import IndexQueries, KeyPool
 
 
 @dataclass
@@ -115,8 +114,7 @@ class V41Attention(SharedKVAttention):
     def _publish_entries(self, x: torch.Tensor, batch: Batch, inv_freq: torch.Tensor) -> None:
         """Compress ``x`` and store each new entry: the rotated latent and its index key."""
         plan, ratio = self.plan, self.plan.compress_ratio
-        states = self.compressor.states_of([s.compressors for s in batch.seqs], plan.index, x.device)
-        latent, request, numbers = self.compressor.pool_batch(x, batch.bounds, states)
+        latent, request, numbers = self.compressor.pool_step(x, batch, "compressors", plan.index)
         positions = numbers * ratio
         entries = apply_rope(latent, positions, inv_freq)
         batch.store(batch.pools.entries[plan.index], ratio, request, numbers, entries)

@@ -9,7 +9,7 @@ from model.config import ModelConfig
 from model.layers import RMSNorm
 from model.moe import MoE
 from model.plan import LayerPlan
-from triton_kernels.mhc import hc_coeffs, hc_collapse, hc_head_coeffs
+from triton_kernels.custom_ops import hc_coeffs, hc_collapse, hc_head_coeffs
 
 
 class MhcBlock(nn.Module):

@@ -17,15 +17,18 @@ group sizes, and the pools' views, are made from it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from math import gcd, isqrt
+from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from model.compressor import CompressorState
 from model.config import ModelConfig
 from model.plan import build_plan
-from triton_kernels.compressor import CompressorStates
+from triton_kernels.compressor import CompressBatch, CompressorStates
 from triton_kernels.indexer import KeyPool
 from triton_kernels.kv_store import QuantizedRows, store_quantized
 from triton_kernels.sparse_attn import KVPool
@@ -331,6 +334,30 @@ class BoundaryState:
         )
 
 
+@dataclass(frozen=True)
+class DecodeShape:
+    """A decode step padded to a captured size: ``rows`` requests of ``width`` tokens each (1 + drafts),
+    block tables ``blocks`` wide. Every tensor of such a step has a shape these fix, so the step can
+    replay as a graph; its last rows may be padding (no blocks, every position -1, never advanced)."""
+
+    rows: int
+    width: int
+    blocks: int
+
+
+@dataclass(frozen=True)
+class CompressMeta:
+    """One compress ratio's metadata for a step of fixed shape: the op's batch, where every token is its
+    own output row (``-1`` where it closes no window), and each row's request and entry number."""
+
+    batch: CompressBatch
+    request: torch.Tensor  # [T]
+    numbers: torch.Tensor  # [T], -1 where no window closes
+
+
+Effect = Callable[..., None]
+
+
 @dataclass
 class Batch:
     """One call: the tokens of several requests, flat, and where their KV lives."""
@@ -343,16 +370,40 @@ class Batch:
     tables: dict[str, torch.Tensor]  # group -> [B, max_blocks] int64, -1 padded
     window_write: torch.Tensor  # [T]: slot of each token's window key
     window_read: torch.Tensor  # [T, W]: slots of its W newest positions, -1 before position 0
+    shape: DecodeShape | None = None  # set: a step of fixed shape (a graph may replay it)
+    padding: int = 0  # trailing rows of ``seqs`` that are padding
+    compress: dict[int, CompressMeta] = field(default_factory=dict)  # by ratio, with ``shape`` only
+    engram_history: torch.Tensor | None = None  # [B, N_max - 1] look-backs, -1 first; ``shape`` only
+    # What the step leaves to the host: each run with the batch and its tensors once the forward is done.
+    effects: list[tuple[Effect, tuple[torch.Tensor, ...]]] = field(default_factory=list)
+    shared: dict[tuple, Any] = field(default_factory=dict)  # metadata every layer of the step reads
 
     @classmethod
-    def build(cls, pools: KVPools, seqs: list[SeqCache], lengths: list[int], device: torch.device) -> Batch:
-        """Per-step metadata, vectorised: request i continues at ``num_tokens`` with ``lengths[i]`` tokens."""
+    def build(
+        cls,
+        pools: KVPools,
+        seqs: list[SeqCache],
+        lengths: list[int],
+        device: torch.device,
+        shape: DecodeShape | None = None,
+        padding: int = 0,
+    ) -> Batch:
+        """Per-step metadata, vectorised: request i continues at ``num_tokens`` with ``lengths[i]`` tokens.
+        With ``shape``, the requests (their last ``padding`` rows padding) fill it exactly."""
+        if shape is not None and (len(seqs), set(lengths)) != (shape.rows, {shape.width}):
+            raise ValueError(f"{len(seqs)} requests of lengths {sorted(set(lengths))} do not fill {shape}")
         starts = torch.tensor([s.num_tokens for s in seqs], dtype=torch.int64)
         counts = torch.tensor(lengths, dtype=torch.int64)
         request = torch.repeat_interleave(torch.arange(len(seqs)), counts)
         ends = counts.cumsum(0)
         positions = starts[request] + torch.arange(int(ends[-1])) - (ends - counts)[request]
+        # Padding tokens sit at position -1: before any position, they see nothing (and close no window).
+        positions = positions.masked_fill(request >= len(seqs) - padding, -1)
         width = max(max((len(s.tables[g.name]) for s in seqs), default=0) for g in pools.groups)
+        if shape is not None:
+            if width > shape.blocks:
+                raise ValueError(f"block tables: {width} blocks exceed the step's {shape.blocks}")
+            width = shape.blocks
         tables = {}
         for g in pools.groups:
             rows = [s.tables[g.name] + [-1] * (width - len(s.tables[g.name])) for s in seqs]
@@ -361,15 +412,52 @@ class Batch:
         window = pools.cfg.sliding_window
         back = positions[:, None] - torch.arange(window)
         batch = cls(pools, seqs, list(zip((ends - counts).tolist(), ends.tolist(), strict=True)), positions,
-                    request.to(torch.int32), tables, positions, back)  # fmt: skip
+                    request.to(torch.int32), tables, positions, back, shape, padding)  # fmt: skip
         batch.window_write = batch.slots("window", request, positions)
         batch.window_read = batch.slots("window", request[:, None].expand_as(back), back)
+        if shape is not None:
+            batch.compress = {
+                g.ratio: _compress_meta(g.ratio, shape, positions, request) for g in pools.groups[1:]
+            }
+            batch.engram_history = _look_backs(pools.cfg, seqs)
         return batch.to(device)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every per-step tensor, in a fixed order: what a graph of this shape reads."""
+        metas = [
+            t
+            for _, m in sorted(self.compress.items())
+            for t in (*vars(m.batch).values(), m.request, m.numbers)
+        ]
+        history = [] if self.engram_history is None else [self.engram_history]
+        tables = [self.tables[g.name] for g in self.pools.groups]
+        return [self.positions, self.request, self.window_write, self.window_read, *tables, *metas, *history]
+
+    def after(self, effect: Effect, *tensors: torch.Tensor) -> None:
+        """Run ``effect(batch, *tensors)``, host bookkeeping of the forward: at once, or with ``shape`` once
+        ``finish`` is called (a replayed graph runs no host code: it hands the tensors back instead)."""
+        if self.shape is None:
+            effect(self, *tensors)
+        else:
+            self.effects.append((effect, tensors))
+
+    def finish(self, effects: list[tuple[Effect, tuple[torch.Tensor, ...]]] | None = None) -> None:
+        """Run the deferred effects: this batch's, or those a graph recorded with its replay's tensors."""
+        for effect, tensors in self.effects if effects is None else effects:
+            effect(self, *tensors)
+        self.effects = []
 
     def to(self, device: torch.device) -> Batch:
         for name in ("positions", "request", "window_write", "window_read"):
             setattr(self, name, getattr(self, name).to(device))
         self.tables = {k: v.to(device) for k, v in self.tables.items()}
+        self.compress = {
+            r: CompressMeta(CompressBatch(*(t.to(device) for t in vars(m.batch).values())),
+                            m.request.to(device), m.numbers.to(device))
+            for r, m in self.compress.items()
+        }  # fmt: skip
+        if self.engram_history is not None:
+            self.engram_history = self.engram_history.to(device)
         return self
 
     def slots(self, group: str, request: torch.Tensor, numbers: torch.Tensor) -> torch.Tensor:
@@ -381,38 +469,74 @@ class Batch:
         block = table[request.long(), block_index] if table.shape[1] else torch.full_like(numbers, -1)
         return torch.where(valid & (block >= 0), block * per_block + numbers % per_block, -1)
 
+    def once(self, key: tuple, make: Callable[[], Any]) -> Any:
+        """``make()``, built once per step: the layers that need it share it."""
+        if key not in self.shared:
+            self.shared[key] = make()
+        return self.shared[key]
+
     def visible(self, ratio: int) -> torch.Tensor:
-        """Entries visible to each token: entry g is visible at position t iff g < (t+1) // ratio."""
-        return (self.positions + 1) // ratio
+        """Entries visible to each token (int32): entry g is visible at position t iff g < (t+1) // ratio."""
+        return self.once(("visible", ratio), lambda: ((self.positions + 1) // ratio).to(torch.int32))
 
     def advance(self) -> None:
         """The call is done: every request has seen its tokens."""
-        for seq, (lo, hi) in zip(self.seqs, self.bounds, strict=True):
+        self.after(Batch._advance)
+
+    def _advance(self) -> None:
+        for seq, (lo, hi) in zip(self.live_seqs, self.bounds, strict=False):
             seq.num_tokens += hi - lo
 
+    @property
+    def live_seqs(self) -> list[SeqCache]:
+        """The requests, padding left out."""
+        return self.seqs[: len(self.seqs) - self.padding]
+
+    def write(self, pool: PoolRows, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        """``pool.write``; with ``shape`` slot -1 (padding, or no window closed) is not written."""
+        if self.shape is None or pool.scale is not None:  # the quantised store skips slot -1 itself
+            pool.write(slots, rows)
+        else:
+            store_rows(pool.data, slots, rows)
+
     def max_entries(self, ratio: int) -> int:
-        """Entries of the request that has the most once this call's tokens are in."""
+        """Entries of the request that has the most once this call's tokens are in; with ``shape``, what
+        the block tables can hold (a graph's shapes cannot follow the requests)."""
+        if self.shape is not None:
+            return self.shape.blocks * self.pools.slots_per_block[group_name(ratio)]
         return max(
             (s.num_tokens + hi - lo) // ratio for s, (lo, hi) in zip(self.seqs, self.bounds, strict=True)
         )
 
     def every_visible_entry(self, ratio: int) -> torch.Tensor:
         """Entry numbers ``[T, max_entries]`` of every entry each token sees, ``-1`` beyond."""
-        numbers = torch.arange(self.max_entries(ratio), device=self.positions.device).expand(
-            len(self.positions), -1
-        )
-        return numbers.masked_fill(numbers >= self.visible(ratio)[:, None], -1)
+
+        def make() -> torch.Tensor:
+            numbers = torch.arange(self.max_entries(ratio), device=self.positions.device)
+            numbers = numbers.expand(len(self.positions), -1)
+            return numbers.masked_fill(numbers >= self.visible(ratio)[:, None], -1)
+
+        return self.once(("every_visible_entry", ratio), make)
 
     def entry_slots(self, ratio: int, numbers: torch.Tensor) -> torch.Tensor:
         """Slots of each token's entry numbers ``[T, K]`` in its request's compressed group."""
-        return self.slots(group_name(ratio), self.request[:, None].expand_as(numbers), numbers)
+        request = self.request[:, None].expand_as(numbers)
+        return self._slots_of(group_name(ratio), request, numbers)
+
+    def _slots_of(self, group: str, request: torch.Tensor, numbers: torch.Tensor) -> torch.Tensor:
+        """``slots``, once per step for the same ``numbers`` (the layers reading one index source, the
+        compressors of one ratio)."""
+        _, slots = self.once(
+            ("slots", group, id(numbers)), lambda: (numbers, self.slots(group, request, numbers))
+        )
+        return slots
 
     def store(
         self, pool: PoolRows, ratio: int, request: torch.Tensor, numbers: torch.Tensor, rows: torch.Tensor
     ) -> None:
         """Write ``rows [E, c]``, entries ``numbers [E]`` of the requests ``request [E]``, into ``pool``."""
         if rows.shape[0]:
-            pool.write(self.slots(group_name(ratio), request, numbers), rows)
+            self.write(pool, self._slots_of(group_name(ratio), request, numbers), rows)
 
     def key_pool(self, layer: int, ratio: int) -> KeyPool:
         """Index keys of compressing ``layer`` as the indexer ops read them (int8 with their scales in a
@@ -423,8 +547,46 @@ class Batch:
         name = group_name(ratio)
         per_block = self.pools.slots_per_block[name]
         blocks = -(-self.max_entries(ratio) // per_block)
+        table = self.once(("key_table", ratio), lambda: self.tables[name][:, :blocks].to(torch.int32))
         keys = self.pools.index_keys[layer]
-        return KeyPool(keys.data, self.tables[name][:, :blocks].to(torch.int32), per_block, keys.scale)
+        return KeyPool(keys.data, table, per_block, keys.scale)
+
+
+def store_rows(pool: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """``pool[slots[i]] = rows[i]`` where ``slots[i] >= 0``, with no host read (a graph can hold it): a
+    row of slot -1 writes the first kept row again (the same value twice), or, when none is kept, the
+    pool's own row back."""
+    keep = slots >= 0
+    source = torch.where(keep, torch.arange(len(slots), device=slots.device), keep.int().argmax())
+    target = slots[source].clamp(min=0)
+    pool.index_put_((target,), torch.where(keep[source, None], rows[source].to(pool.dtype), pool[target]))
+
+
+def _compress_meta(
+    ratio: int, shape: DecodeShape, positions: torch.Tensor, request: torch.Tensor
+) -> CompressMeta:
+    """Token t is output row t where it closes a window (position + 1 a multiple of ``ratio``), of entry
+    number (position + 1) / ratio - 1."""
+    closes = ((positions + 1) % ratio == 0) & (positions >= 0)
+    rows = torch.arange(shape.rows + 1, dtype=torch.int32)
+    batch = CompressBatch(
+        rows * shape.width,
+        positions[:: shape.width].clamp(min=0).to(torch.int32),
+        rows[:-1].clone(),
+        torch.where(closes, torch.arange(len(positions)), -1).to(torch.int32),
+    )
+    return CompressMeta(batch, request, torch.where(closes, (positions + 1) // ratio - 1, -1))
+
+
+def _look_backs(cfg: ModelConfig, seqs: list[SeqCache]) -> torch.Tensor | None:
+    """Each request's Engram look-back ``[B, N_max - 1]``, -1 before it (hashes as before a first token)."""
+    if cfg.engram is None:
+        return None
+    size = cfg.engram.max_ngram_size - 1
+    device = next((s.engram_history.device for s in seqs if s.engram_history is not None), None)
+    none = torch.zeros(0, dtype=torch.int64, device=device)
+    histories = [none if s.engram_history is None else s.engram_history for s in seqs]
+    return torch.stack([F.pad(h, (size - h.numel(), 0), value=-1) for h in histories])
 
 
 def _check_tables(tables: dict[str, torch.Tensor], num_blocks: int) -> None:

@@ -13,13 +13,18 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch import nn
 
 from model.layers import RMSNorm, linear
-from triton_kernels.compressor import CompressBatch, CompressorParams, CompressorStates, compress
+from triton_kernels.compressor import CompressBatch, CompressorParams, CompressorStates
+from triton_kernels.custom_ops import compress
+
+if TYPE_CHECKING:
+    from model.cache import Batch
 
 
 @dataclass
@@ -117,20 +122,65 @@ class Compressor(nn.Module):
         starts = tuple(s.num_tokens for s in states)
         lengths = tuple(hi - lo for lo, hi in bounds)
         batch, request, numbers = _batch_meta(self.ratio, starts, lengths, x.device)
-        stacked = _batch_state(states)
+        params, kv, gate, entries = self._compress(x, batch, _batch_state(states), inv_freq, len(request))
+        _advance(states, bounds, params, kv, gate)
+        return entries, request, numbers
+
+    def pool_step(
+        self, x: torch.Tensor, batch: Batch, owner: str, layer: int, inv_freq: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``pool_batch`` over a step, the states being the requests' ``owner`` ("compressors" or
+        "indexers") at ``layer``. In a step of fixed shape every token has an output row (the batch holds
+        the metadata) and the states' bookkeeping waits for the batch's ``finish``."""
+        states = self.states_of([getattr(s, owner) for s in batch.seqs], layer, x.device)
+        meta = batch.compress.get(self.ratio)
+        if meta is None:
+            return self.pool_batch(x, batch.bounds, states, inv_freq)
+        params, kv, gate, entries = self._compress(
+            x, meta.batch, _batch_state(states), inv_freq, len(meta.request)
+        )
+
+        def advance(batch: Batch, kv: torch.Tensor, *gate: torch.Tensor) -> None:
+            states = [getattr(s, owner)[layer] for s in batch.live_seqs]
+            if any(s.journal is not None for s in states):  # kept past the step: a graph reuses its outputs
+                kv, gate = kv.clone(), tuple(g.clone() for g in gate)
+            _advance(states, batch.bounds, params, kv, gate[0] if gate else None)
+
+        batch.after(advance, kv, *(() if gate is None else (gate,)))
+        return entries, meta.request, meta.numbers
+
+    def _compress(
+        self,
+        x: torch.Tensor,
+        batch: CompressBatch,
+        stacked: CompressorStates,
+        inv_freq: torch.Tensor | None,
+        rows: int,
+    ) -> tuple[CompressorParams, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """Project ``x`` and run ``compress`` into ``rows`` output rows."""
         params = CompressorParams(
             self.ratio, self.overlap, self.norm.weight, self.norm.eps, getattr(self, "ape", None), inv_freq
         )
         kv, gate = self.wkv(x), self.wgate(x) if self.ratio > 1 else None
-        entries = torch.empty(len(request), self.dim, device=x.device)
+        entries = torch.empty(rows, self.dim, device=x.device)
         compress(kv, gate, batch, stacked, params, entries)
-        for state, (lo, hi) in zip(states, bounds, strict=True):
-            if state.journal is not None:
-                state.journal.params = params
-                state.journal.kv.append(kv[lo:hi])
-                state.journal.gate.extend([] if gate is None else [gate[lo:hi]])
-            state.num_tokens += hi - lo
-        return entries, request, numbers
+        return params, kv, gate, entries
+
+
+def _advance(
+    states: list[CompressorState],
+    bounds: list[tuple[int, int]],
+    params: CompressorParams,
+    kv: torch.Tensor,
+    gate: torch.Tensor | None,
+) -> None:
+    """The states have seen their requests' rows of ``kv``; journaling ones keep them (with ``params``)."""
+    for state, (lo, hi) in zip(states, bounds, strict=False):  # padding rows have no state here
+        if state.journal is not None:
+            state.journal.params = params
+            state.journal.kv.append(kv[lo:hi])
+            state.journal.gate.extend([] if gate is None else [gate[lo:hi]])
+        state.num_tokens += hi - lo
 
 
 @functools.lru_cache(maxsize=16)
@@ -180,3 +230,25 @@ def _stacked(states: list[CompressorStates]) -> CompressorStates:
     """The requests' one-row states as the rows of one state, in order."""
     fields = [[getattr(s, f.name) for s in states] for f in dataclasses.fields(CompressorStates)]
     return CompressorStates(*(None if rows[0] is None else torch.cat(rows) for rows in fields))
+
+
+def adopt(states: list[CompressorState], stack: CompressorStates, owners: list[CompressorState]) -> None:
+    """Make ``states`` the rows of ``stack``, a stack kept across steps (a graph's), in order: each is
+    copied in unless it already is its row. ``owners`` names each row's state and is updated; a former
+    owner that still views its row gets its own copy first."""
+    for row, state in enumerate(states):
+        if state.stack is stack and state.row == row:
+            owners[row] = state
+            continue
+        former = owners[row]
+        if former is not state and former.stack is stack and former.row == row:
+            former.pending = CompressorStates(
+                *(None if t is None else t.clone() for t in vars(former.pending).values())
+            )
+            former.stack = None
+        view = CompressorStates(*(None if t is None else t[row : row + 1] for t in vars(stack).values()))
+        for target, source in zip(vars(view).values(), vars(state.pending).values(), strict=True):
+            if target is not None:
+                target.copy_(source)
+        state.pending, state.stack, state.row = view, stack, row
+        owners[row] = state

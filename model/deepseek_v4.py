@@ -19,7 +19,7 @@ from model.config import ModelConfig
 from model.dspark import DSpark
 from model.layers import RMSNorm, RopeFrequencies, check_token_ids, linear
 from model.plan import LayerPlan, build_plan
-from triton_kernels.mhc import hc_collapse, hc_update
+from triton_kernels.custom_ops import hc_collapse, hc_update
 
 
 class Block(MhcBlock):

@@ -21,7 +21,7 @@ from model.dspark import DSpark
 from model.engram import Engram, EngramHasher
 from model.layers import RMSNorm, RopeFrequencies, check_token_ids, linear
 from model.plan import LayerPlan, build_plan
-from triton_kernels.mhc import hc_collapse, hc_update
+from triton_kernels.custom_ops import hc_collapse, hc_update
 
 
 @dataclass
@@ -121,6 +121,10 @@ class DeepseekV41(nn.Module):
         """Each request's n-gram bucket ids, hashed with its look-back history."""
         if self.hasher is None:
             return None
+        if batch.engram_history is not None:  # a step of fixed shape: look-backs padded, rows of one tensor
+            buckets, history = self.hasher.padded(ids, batch.engram_history)
+            batch.after(_keep_look_backs, history)
+            return buckets
         buckets, histories = self.hasher.batch(ids, batch.bounds, [s.engram_history for s in batch.seqs])
         for seq, history in zip(batch.seqs, histories, strict=True):
             seq.engram_history = history
@@ -149,6 +153,11 @@ class DeepseekV41(nn.Module):
         """Logits ``[S, V]`` (fp32) for token ids ``[S]``; ``[1, V]`` of the last one with ``last_only``."""
         hidden = self.run(ids, state).hidden
         return self.logits(hidden[-1:] if last_only else hidden)
+
+
+def _keep_look_backs(batch: Batch, history: torch.Tensor) -> None:
+    for seq, row in zip(batch.live_seqs, history, strict=False):
+        seq.engram_history = row.clone()  # a graph reuses its outputs
 
 
 def _history(history: torch.Tensor | None, device: torch.device) -> torch.Tensor:

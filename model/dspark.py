@@ -25,8 +25,7 @@ from model.block import HcHead, MhcBlock, one_hot_premix
 from model.config import ModelConfig
 from model.layers import RMSNorm, linear
 from model.plan import LayerPlan
-from triton_kernels.mhc import hc_collapse, hc_update
-from triton_kernels.rope import apply_rope
+from triton_kernels.custom_ops import apply_rope, hc_collapse, hc_update
 from triton_kernels.sparse_attn import KVPool
 
 

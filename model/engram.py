@@ -21,7 +21,8 @@ from torch import nn
 
 from model.config import EngramConfig
 from model.quant_linear import DenseLinear
-from triton_kernels.engram import HashTables, engram_gather, engram_hash, hash_tables
+from triton_kernels.custom_ops import engram_gather, engram_hash
+from triton_kernels.engram import HashTables, hash_tables
 from triton_kernels.quant_matmul import decode_e4m3, decode_e8m0
 from triton_kernels.shared import take_rows
 
@@ -151,6 +152,16 @@ class EngramHasher:
         picked = torch.tensor([i for a, b in rows for i in range(a, b)], dtype=torch.int64, device=device)
         buckets = engram_hash(flat, 0, self.tables)[picked]
         return buckets, [flat[a:b] for a, b in ends]
+
+    def padded(self, token_ids: torch.Tensor, history: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``batch`` for ``B`` requests of equal length whose look-backs are the rows of ``history [B, H]``
+        (``H = N_max - 1``, -1 before a request's first token: hashed as ``batch``'s separator): the
+        bucket ids ``[B * L, L_E, cols]`` and the look-backs after, ``[B, H]``. Shapes only set the layout."""
+        rows, size = history.shape
+        # A token looks back at most H ids: its own request's (and -1 where the look-back starts).
+        flat = torch.cat([history.to(self.token_map.device), self.compress(token_ids).view(rows, -1)], dim=1)
+        buckets = engram_hash(flat.flatten(), 0, self.tables).unflatten(0, flat.shape)
+        return buckets[:, size:].flatten(0, 1), flat[:, flat.shape[1] - size :]
 
     def advance(self, history: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         """The look-back after ``token_ids`` without hashing them (a speculative rollback's kept tokens)."""

@@ -8,7 +8,7 @@ from torch import nn
 from model.config import ModelConfig
 from model.plan import Rope
 from model.quant_linear import DenseLinear
-from triton_kernels.rmsnorm import rms_norm
+from triton_kernels.custom_ops import rms_norm
 from triton_kernels.rope import rope_inv_freq
 
 

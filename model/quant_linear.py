@@ -16,7 +16,8 @@ from abc import ABC, abstractmethod
 import torch
 from torch import nn
 
-from triton_kernels.moe_gemm import RoutedExperts, moe_gemm
+from triton_kernels.custom_ops import moe_gemm, quant_matmul
+from triton_kernels.moe_gemm import RoutedExperts
 from triton_kernels.quant_matmul import (
     DENSE,
     FP8,
@@ -30,7 +31,6 @@ from triton_kernels.quant_matmul import (
     int4_weight,
     int8_weight,
     mxfp4_weight,
-    quant_matmul,
 )
 
 

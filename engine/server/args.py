@@ -83,7 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument("--gpu-memory-utilization", type=float,
                        help="the share of the device's memory for weights and the KV cache (instead of "
                        "--kv-cache-memory)")  # fmt: skip
-    cache.add_argument("--enforce-eager", action="store_true", help="accepted: no graphs are captured")
+    cache.add_argument(
+        "--enforce-eager", action="store_true", help="capture no decode graphs (CUDA / NPU): every step eager"
+    )
 
     parallel = p.add_argument_group("parallelism (tensor parallel with the experts split inside the group, "
                                     "or data parallel with expert parallel)")  # fmt: skip

@@ -46,6 +46,9 @@ def memory_budget(args: argparse.Namespace, config: EngineConfig) -> dict:
         "lookahead": config.lookahead,
         "kv_cache_dtype": config.kv_cache_dtype,
         "engram_offload": config.engram_offload,
+        "graph_tokens": 0
+        if config.enforce_eager or runtime.backend() == "cpu"
+        else config.max_num_seqs * config.decode_width,
     }
 
 

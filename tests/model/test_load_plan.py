@@ -8,7 +8,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.kv_cache import KVCacheManager
-from engine.memory_plan import plan_memory
+from engine.memory_plan import activation_bytes, plan_memory
 from model.cache import CacheLayout
 from model.checkpoint import load_model
 from model.config import ModelConfig
@@ -84,3 +84,12 @@ def test_the_plan_reserves_the_mtp_drafts_lookahead(fp8_dir):
     )
     with pytest.raises(ValueError, match=r"one request of max_model_len=1024 needs \d+ blocks"):
         plan_memory(fp8_dir, torch.float32, "auto", kv_cache_memory=fits, lookahead=mtp.lookahead, **SHAPE)
+
+
+def test_decode_graphs_take_their_activations_from_the_kv_cache(fp8_dir):
+    share = {"gpu_memory_utilization": 0.5, "device_bytes": 2**30, **SHAPE}
+    eager = plan_memory(fp8_dir, torch.float32, "auto", **share)
+    graphs = plan_memory(fp8_dir, torch.float32, "auto", graph_tokens=64, **share)
+    extra = activation_bytes(ModelConfig.from_file(fp8_dir), 64, 4)
+    assert graphs.activation_bytes == eager.activation_bytes + extra > eager.activation_bytes
+    assert graphs.kv_bytes == eager.kv_bytes - extra
