@@ -170,7 +170,7 @@ class LLMEngine:
                 wanted = self._drafts_wanted(request)
             request.num_computed = chunk.start + committed
             if self.proposer and not request.finished:
-                seq = self.runner.seqs[request.id]
+                seq = self.runner.state(request.id)
                 observations.append(Observation(request, seq, chunk.start, features[:committed], wanted))
         if observations:
             proposals = self.runner.propose(self.proposer, observations)
@@ -199,7 +199,7 @@ class LLMEngine:
         reached = request.num_computed
         if prefix is None or reached <= chunk.start or reached % prefix.page_size:
             return
-        seq: SeqCache = self.runner.seqs[request.id]
+        seq: SeqCache = self.runner.state(request.id)
         self.cache.register(request.id, request.tokens[:reached], BoundaryState.of(seq))
 
     def _sample(self, chunk: ScheduledChunk, logits: torch.Tensor) -> int:

@@ -37,7 +37,7 @@ class ModelRunner:
         weight = model.embed.weight
         self.device = weight.device
         self.pools = KVPools(model.cfg, cache.layout, cache.num_blocks, weight.dtype, weight.device)
-        self.seqs: dict[str, SeqCache] = {}
+        self._seqs: dict[str, SeqCache] = {}  # per running request: its caches' state
         self.graphs: DecodeGraphs | None = None  # decode steps replayed as graphs; None: every step eager
 
     @torch.no_grad()
@@ -47,8 +47,8 @@ class ModelRunner:
             request = chunk.request
             if chunk.start == 0:  # the manager's table lists are shared, so the model sees every allocation
                 tables = {name: table.blocks for name, table in self.cache.tables[request.id].items()}
-                self.seqs[request.id] = SeqCache(tables)
-            seq = self.seqs[request.id]
+                self._seqs[request.id] = SeqCache(tables)
+            seq = self._seqs[request.id]
             if chunk.num_drafts:
                 seq.speculate()
             seqs.append(seq)
@@ -73,11 +73,15 @@ class ModelRunner:
             list(sampled.split(counts)), list(features.split(lengths)), list(prompt.split(scored_counts))
         )
 
+    def state(self, request_id: str) -> SeqCache:
+        """A running request's cache state (what the proposers and the engine's checkpoints read)."""
+        return self._seqs[request_id]
+
     @torch.no_grad()
     def rollback(self, chunk: ScheduledChunk, keep: int) -> None:
         """Keep the first ``keep`` tokens of a chunk that verified drafts: caches as if only they came."""
         kept = torch.tensor(chunk.token_ids[:keep], device=self.device)
-        self.model.rollback(self.seqs[chunk.request.id], kept)
+        self.model.rollback(self._seqs[chunk.request.id], kept)
 
     def resume(self, copies: list[tuple[int, int]], resumes: dict[str, BoundaryState]) -> None:
         """Requests admitted on a prefix-cache hit continue from the checkpoint's state, over copies
@@ -87,7 +91,7 @@ class ModelRunner:
             buffer[destination] = buffer[source]
         for request_id, state in resumes.items():
             tables = {name: table.blocks for name, table in self.cache.tables[request_id].items()}
-            self.seqs[request_id] = state.resume(tables)
+            self._seqs[request_id] = state.resume(tables)
 
     def propose(self, proposer: Proposer, observations: list[Observation]) -> list[Proposal | None]:
         """The proposer's drafts after a step (its forwards run on this runner's caches)."""
@@ -98,7 +102,7 @@ class ModelRunner:
         return drafts
 
     def release(self, request_id: str) -> None:
-        self.seqs.pop(request_id, None)
+        self._seqs.pop(request_id, None)
 
 
 def decoding(chunks: list[ScheduledChunk]) -> bool:

@@ -32,3 +32,10 @@ def pytest_xdist_auto_num_workers(config) -> int:
 # (through the environment, so the servers and ranks a test starts run on the same thread count).
 if workers := os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, usable_cores() // int(workers))))
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Hand the files marked `long` to the workers first: with one file per worker, a long file
+    started last keeps one core busy alone while the others have finished (longest first is what
+    keeps the cores even). The order within a file is kept."""
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)

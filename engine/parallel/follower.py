@@ -60,7 +60,7 @@ class FollowerRunner(ModelRunner):
         if plan.command == DRAFT:
             if self.proposer is not None:  # rank 0's may be a given one, with no forwards of its own
                 observations = [
-                    Observation(d.request, self.seqs[d.request.id], d.start,
+                    Observation(d.request, self.state(d.request.id), d.start,
                                 self.features[d.request.id][: d.committed], d.num_drafts, d.next_ids)
                     for d in plan.drafts
                 ]  # fmt: skip
