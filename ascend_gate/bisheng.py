@@ -43,7 +43,6 @@ KNOWN_FAILURES: dict[str, tuple[str, ...]] = {
     "compressor._compress_kernel": ("PlanMemory Traverse IR Failed!",),
     "mhc._hc_mix_kernel": ("PlanMemory Traverse IR Failed!",),
     "indexer.logits_int8": ("'hivm.hir.store' op only support store ub to gm currently!", "ub overflow"),
-    "moe_gemm.gate_up": ("ub overflow",),
     "sparse_attn.decode": ("ub overflow",),
 }
 
