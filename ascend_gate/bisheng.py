@@ -42,7 +42,6 @@ TIMEOUT_S = 300  # the slowest of our kernels takes a few seconds
 KNOWN_FAILURES: dict[str, tuple[str, ...]] = {
     "compressor._compress_kernel": ("PlanMemory Traverse IR Failed!",),
     "mhc._hc_mix_kernel": ("PlanMemory Traverse IR Failed!",),
-    "indexer.logits_int8": ("'hivm.hir.store' op only support store ub to gm currently!", "ub overflow"),
     "sparse_attn.decode": ("ub overflow",),
 }
 
