@@ -41,7 +41,6 @@ TIMEOUT_S = 300  # the slowest of our kernels takes a few seconds
 # fixed; any other failure does, and so does a listed kernel that fails differently or no longer fails.
 KNOWN_FAILURES: dict[str, tuple[str, ...]] = {
     "compressor._compress_kernel": ("PlanMemory Traverse IR Failed!",),
-    "mhc._hc_mix_kernel": ("PlanMemory Traverse IR Failed!",),
     "sparse_attn.decode": ("ub overflow",),
 }
 
