@@ -604,7 +604,7 @@ def _config(block_n: int, operand_bytes: int, block_s: int = 0, multibuffer: boo
 
 
 _LOGITS_FLOAT = (_config(16, 4), _config(64, 4, multibuffer=False))
-_LOGITS_INT8 = (_config(32, 1), _config(128, 1, multibuffer=False))
+_LOGITS_INT8 = (_config(32, 1, multibuffer=False), _config(64, 1, multibuffer=False))
 _TOPK_FLOAT = (_config(16, 4, 512, multibuffer=False), _config(32, 4, 512, multibuffer=False))
 _TOPK_INT8 = (_config(32, 1, 512, multibuffer=False), _config(64, 1, 512, multibuffer=False))
 

@@ -151,7 +151,8 @@ def _store_quantized_kernel(
             codes = (x / tl.maximum(scale, TINY)[:, None]).to(codes_ptr.dtype.element_ty)
         else:
             codes, scale = quantize_rows(tl.where(nope, x, 0.0))
-            codes = codes.to(tl.int8)
+            # Through fp32 (exact for |codes| <= 127): BiSheng plans i32 -> i8 with a tile it cannot fit.
+            codes = codes.to(tl.float32).to(tl.int8)
         at = codes_ptr + target[:, None] * code_stride + tl.minimum(cols, N - 1)[None, :]
         tl.store(at, codes, mask=nope)  # in-bounds: slot and column clamped
         tl.store(scale_ptr + target * scale_stride, scale, mask=valid)  # in-bounds: slot clamped

@@ -25,8 +25,8 @@ Kernels
     accumulates the sum of squares and ``x @ fn.T`` on the cube unit (``fn`` is read once per token
     block, not once per token); the norm is applied to the [BLOCK_T, m] product (the official
     kernel's order; transformers normalises first, equal up to rounding). Activations and Sinkhorn
-    follow on a [BLOCK_T, R_PAD, NP] tile of mix slots: rows ``< n`` hold ``comb``, row ``NP`` ``pre``,
-    row ``NP + 1`` ``post``. ``HEAD`` selects the ``hc_head`` variant (pre only).
+    follow on a [BLOCK_T, NP, R_PAD] tile of mix slots (slot ``(j, r)``): rows ``r < n`` hold ``comb``,
+    row ``NP`` ``pre``, row ``NP + 1`` ``post``. ``HEAD`` selects the ``hc_head`` variant (pre only).
     ``_hc_collapse_kernel`` / ``_hc_update_kernel``: one task is a (token, ``BLOCK_D`` columns) tile.
 """
 
@@ -219,8 +219,10 @@ def _hc_mix_kernel(
     BLOCK_K: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    slot = tl.arange(0, R_PAD * NP)
-    r, j = slot // NP, slot % NP
+    # Slot (j, r) at j * R_PAD + r: the working tile is [BLOCK_T, NP, R_PAD]. Laid out [BLOCK_T, R_PAD, NP]
+    # (NP last: 4 fp32 at the model's n = 4) it made BiSheng's memory planning abort.
+    slot = tl.arange(0, NP * R_PAD)
+    j, r = slot // R_PAD, slot % R_PAD
     # fn rows: pre j -> j, post j -> n + j, comb (r, j) -> 2n + r*n + j (the hc_head fn has pre rows only).
     fn_row = tl.where(r == NP, j, tl.where(r == NP + 1, n + j, 2 * n + r * n + j))
     s_pre = tl.load(scale_ptr)
@@ -234,13 +236,13 @@ def _hc_mix_kernel(
         )
     fn_row = tl.where(used, fn_row, 0)  # unused slots read row 0 (Ascend drops these gathers' masks)
     base = tl.load(base_ptr + fn_row, mask=used, other=0.0)  # in-bounds: unused slots read row 0
-    r3 = tl.arange(0, R_PAD)[None, :, None]
-    j3 = tl.arange(0, NP)[None, None, :]
+    j3 = tl.arange(0, NP)[None, :, None]
+    r3 = tl.arange(0, R_PAD)[None, None, :]
     jj = tl.arange(0, NP)
     for task in range(pid, tl.cdiv(T, BLOCK_T), tl.num_programs(0)):
         tok = task * BLOCK_T + tl.arange(0, BLOCK_T)
         tok_ok = tok < T
-        acc = tl.zeros([BLOCK_T, R_PAD * NP], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_T, NP * R_PAD], dtype=tl.float32)
         sq = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + tl.arange(0, BLOCK_K)
@@ -254,21 +256,22 @@ def _hc_mix_kernel(
             # ieee: the tf32 default on GPUs would cost ~1e-3 relative error in the mixes.
             acc = tl.dot(xv, tl.trans(w), acc, input_precision="ieee")
         rstd = rms_factor(tl.sum(sq, axis=1), K, norm_eps)
-        z = tl.reshape(acc * rstd[:, None] * scale[None, :] + base[None, :], [BLOCK_T, R_PAD, NP])
+        z = tl.reshape(acc * rstd[:, None] * scale[None, :] + base[None, :], [BLOCK_T, NP, R_PAD])
         gate = 1.0 / (1.0 + tl.exp(-z))
         out_ok = tok_ok[:, None] & (jj[None, :] < n)
-        pre = tl.sum(tl.where(r3 == NP, gate, 0.0), axis=1) + hc_eps
+        pre = tl.sum(tl.where(r3 == NP, gate, 0.0), axis=2) + hc_eps
         tl.store(pre_ptr + tok[:, None] * n + jj[None, :], pre, mask=out_ok)
         if not HEAD:
-            post = 2.0 * tl.sum(tl.where(r3 == NP + 1, gate, 0.0), axis=1)
+            post = 2.0 * tl.sum(tl.where(r3 == NP + 1, gate, 0.0), axis=2)
             tl.store(post_ptr + tok[:, None] * n + jj[None, :], post, mask=out_ok)
             logits = tl.where(j3 < n, z, float("-inf"))
-            e = tl.exp(logits - tl.max(logits, axis=2)[:, :, None])
-            comb = tl.where((r3 < n) & (j3 < n), e / tl.sum(e, axis=2)[:, :, None] + hc_eps, 0.0)
-            comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
+            # Rows of comb (its softmax) run along axis 1 (j), columns along axis 2 (r).
+            e = tl.exp(logits - tl.max(logits, axis=1)[:, None, :])
+            comb = tl.where((r3 < n) & (j3 < n), e / tl.sum(e, axis=1)[:, None, :] + hc_eps, 0.0)
+            comb = comb / (tl.sum(comb, axis=2)[:, :, None] + hc_eps)
             for _ in range(iters - 1):
-                comb = comb / (tl.sum(comb, axis=2)[:, :, None] + hc_eps)
                 comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
+                comb = comb / (tl.sum(comb, axis=2)[:, :, None] + hc_eps)
             tok3 = tok[:, None, None]
             tl.store(comb_ptr + tok3 * n * n + r3 * n + j3, comb, mask=(tok3 < T) & (r3 < n) & (j3 < n))
 
@@ -424,9 +427,8 @@ def _mix_ub(block_t: int, block_k: int) -> int:
 
 
 _MIX_CONFIGS = (
-    TuneConfig({"BLOCK_T": 16, "BLOCK_K": 128}, _mix_ub(16, 128)),
-    TuneConfig({"BLOCK_T": 32, "BLOCK_K": 64}, _mix_ub(32, 64)),
-    TuneConfig({"BLOCK_T": 16, "BLOCK_K": 256}, _mix_ub(16, 256), multibuffer=False),
+    TuneConfig({"BLOCK_T": 16, "BLOCK_K": 64}, _mix_ub(16, 64)),
+    TuneConfig({"BLOCK_T": 16, "BLOCK_K": 32}, _mix_ub(16, 32)),
 )
 # acc, loaded and fp32 tiles of one column block (collapse); the [NP, BLOCK_D] accumulator and
 # its product term plus f and x rows (update).

@@ -374,8 +374,8 @@ def _gate_up_ub(block_m: int, block_n: int, block_k: int) -> int:
 
 
 _GATE_UP_CONFIGS = (
-    TuneConfig({"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128}, _gate_up_ub(16, 32, 128)),
-    TuneConfig({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 128}, _gate_up_ub(32, 32, 128), multibuffer=False),
+    TuneConfig({"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64}, _gate_up_ub(16, 32, 64)),
+    TuneConfig({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 128}, _gate_up_ub(16, 16, 128)),
 )
 _DOWN_CONFIGS = PACKED_CONFIGS[:2]
 _KEY = ["N", "K", "FORMAT", "SCALE_BLOCK"]

@@ -115,6 +115,18 @@ def test_logits_kernel_matches_reference(shape, block_size: int, dtype: torch.dt
     assert torch.equal(torch.isinf(got), torch.isinf(ref))
 
 
+@pytest.mark.parametrize("tuned", indexer._LOGITS_TUNED, ids=lambda tuned: tuned.name)
+def test_every_logits_config_matches_reference(tuned) -> None:  # noqa: ANN001
+    queries, pool = _batch(*PREFILL, block_size=16, dtype=torch.float32)
+    if tuned.name == "logits_int8":
+        queries, pool = _quantised(queries, pool)
+    ref = indexer.indexer_logits_ref(queries, pool)
+    for config in tuned.configs:
+        with tuned.forced(config):
+            got = indexer.indexer_logits_triton(queries, pool)
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("op", ["logits", "topk"])
 def test_a_key_pool_that_is_a_column_range_of_a_buffer_is_read_in_place(op: str, monkeypatch) -> None:
     # The KV cache's key pools are column ranges of one buffer: the kernels read them at their row stride.

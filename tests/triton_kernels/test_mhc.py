@@ -122,6 +122,18 @@ def test_coeffs_kernel_matches_reference(t: int, n: int, d: int, iters: int, dty
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("config", mhc._MIX_CONFIGS, ids=lambda c: f"BLOCK_K={c.params['BLOCK_K']}")
+def test_every_mix_config_matches_reference(config) -> None:  # noqa: ANN001
+    # Tokens over a block and a K = n * d that is no multiple of BLOCK_K: ragged tiles in both directions.
+    x, p = _streams(37, 4, 24), _params(24, 4, 24, 3, seed=37)
+    head = _params(4, 4, 24, 1, seed=37)
+    with mhc._hc_mix_tuned.forced(config):
+        got, got_head = _coeffs(mhc.hc_coeffs_triton, x, p, ITERS), _head(mhc.hc_head_coeffs_triton, x, head)
+    for out, ref in zip(got, _coeffs(mhc.hc_coeffs_ref, x, p, ITERS), strict=True):
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got_head, _head(mhc.hc_head_coeffs_ref, x, head))
+
+
 @pytest.mark.parametrize(("t", "n", "d"), [(5, 4, 32), (19, 4, 40), (1, 2, 16), (0, 4, 16)])
 def test_head_kernel_matches_reference(t: int, n: int, d: int) -> None:
     x, p = _streams(t, n, d), _params(n, n, d, 1, seed=t)

@@ -130,6 +130,19 @@ def test_kernel_ragged_against_every_tile_without_clamp(fmt: str) -> None:
     assert_close(moe_gemm_triton(x, ids, weights, experts), _dense_moe(x, ids, weights, experts))
 
 
+def _tile(config) -> str:  # noqa: ANN001
+    return "x".join(str(v) for v in config.params.values())
+
+
+@pytest.mark.parametrize("config", moe_gemm._GATE_UP_CONFIGS, ids=_tile)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_gate_up_config_matches_the_reference(fmt: str, config) -> None:  # noqa: ANN001
+    # The ragged shape of the test above: partial K slices and column tiles for every tile shape.
+    experts, (ids, weights), x = _experts(fmt, d=160, inter=40), _routing(17, seed=3), _x(17, d=160)
+    with moe_gemm._gate_up_tuned.forced(config):
+        assert_close(moe_gemm_triton(x, ids, weights, experts), _dense_moe(x, ids, weights, experts))
+
+
 def test_all_choices_dropped_give_zeros() -> None:
     ids = torch.full((3, K_CHOICES), -1, dtype=torch.int64)
     out = moe_gemm_triton(_x(3), ids, torch.rand(3, K_CHOICES), _experts("mxfp4"))
