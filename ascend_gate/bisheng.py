@@ -40,7 +40,6 @@ TIMEOUT_S = 300  # the slowest of our kernels takes a few seconds
 # "What BiSheng rejects"). Their failures are counted and printed but do not fail the gate until they are
 # fixed; any other failure does, and so does a listed kernel that fails differently or no longer fails.
 KNOWN_FAILURES: dict[str, tuple[str, ...]] = {
-    "compressor._compress_kernel": ("PlanMemory Traverse IR Failed!",),
     "mhc._hc_mix_kernel": ("PlanMemory Traverse IR Failed!",),
     "indexer.logits_int8": ("'hivm.hir.store' op only support store ub to gm currently!", "ub overflow"),
     "moe_gemm.gate_up": ("ub overflow",),
