@@ -43,7 +43,6 @@ KNOWN_FAILURES: dict[str, tuple[str, ...]] = {
     "mhc._hc_mix_kernel": ("PlanMemory Traverse IR Failed!",),
     "indexer.logits_int8": ("'hivm.hir.store' op only support store ub to gm currently!", "ub overflow"),
     "moe_gemm.gate_up": ("ub overflow",),
-    "sparse_attn.decode": ("ub overflow",),
     "kv_store._store_quantized_kernel": ("ub overflow",),
 }
 
