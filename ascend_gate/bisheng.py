@@ -36,13 +36,6 @@ _UB_BUFFER = re.compile(
     r"hivm\.hir\.pointer_cast\(([^)]*)\)[^:]*: memref<([^,>]*)[^>]*#hivm\.address_space<ub>>"
 )
 TIMEOUT_S = 300  # the slowest of our kernels takes a few seconds
-# The kernels BiSheng 1.2.0 fails today, each with the start of the error it fails with (docs/ascend-gate.md,
-# "What BiSheng rejects"). Their failures are counted and printed but do not fail the gate until they are
-# fixed; any other failure does, and so does a listed kernel that fails differently or no longer fails.
-KNOWN_FAILURES: dict[str, tuple[str, ...]] = {
-    "compressor._compress_kernel": ("PlanMemory Traverse IR Failed!",),
-    "sparse_attn.decode": ("ub overflow",),
-}
 
 
 @dataclass(frozen=True)
@@ -53,11 +46,6 @@ class Plan:
     ub_bytes: int  # the end of the highest UB buffer it planned (on an overflow, what it required)
     dropped: tuple[str, ...] = ()  # the optimisations it turned off to make the plan fit
     where: str | None = None  # the error's ``file:line`` in our source, when BiSheng gave one
-
-
-def known(kernel: str, error: str) -> bool:
-    """Whether ``error`` is the failure KNOWN_FAILURES lists for ``kernel`` (``module.kernel``)."""
-    return error.startswith(KNOWN_FAILURES.get(kernel, ()))
 
 
 @cache

@@ -29,7 +29,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
@@ -113,32 +112,24 @@ class Report:
     swept: int = 0
     # Per config index: BiSheng's worst plan over dtype variants (a failure, else the largest UB).
     plans: dict[int, bisheng.Plan] = field(default_factory=dict)
-    # Lowerings through BiSheng, those it failed, and of those the ones bisheng.KNOWN_FAILURES lists; the
-    # first message of each kind.
+    # Lowerings through BiSheng, those it failed, and the first of its errors.
     compiled: int = 0
     compile_failures: int = 0
-    known_failures: int = 0
     bisheng_error: str | None = None
-    known_error: str | None = None
 
     @property
     def verdict(self) -> str:
-        """FAIL on any error; KNOWN when its only failures are those bisheng.KNOWN_FAILURES lists."""
-        return "FAIL" if self.errors else "KNOWN" if self.known_failures else "PASS"
+        return "FAIL" if self.errors else "PASS"
 
-    def plan(self, index: int, result: bisheng.Plan, context: str, kernel: str) -> None:
+    def plan(self, index: int, result: bisheng.Plan, context: str) -> None:
         self.compiled += 1
         if (error := result.error) is None and result.ub_bytes > ASCEND_UB_BYTES:
             error = f"plans {_kib(result.ub_bytes)} of UB, over the {_kib(ASCEND_UB_BYTES)} unified buffer"
         if error is not None:
             self.compile_failures += 1
             message = f"{context} bisheng: {result.where or self.where}: {error}"
-            if bisheng.known(kernel, error):
-                self.known_failures += 1
-                self.known_error = self.known_error or message
-            else:
-                self.errors.append(message)
-                self.bisheng_error = self.bisheng_error or message
+            self.errors.append(message)
+            self.bisheng_error = self.bisheng_error or message
         worst = self.plans.get(index)
         if worst is None or _severity(worst) < _severity(result):
             self.plans[index] = result
@@ -359,7 +350,7 @@ def check(
                     # BiSheng's 950 back half is another binary with other options: A2/A3 only.
                     if label == TARGETS[0][0]:
                         plan = bisheng.plan(mlir, target.arch, config.multibuffer, plan_cache)
-                        report.plan(index, plan, context, f"{module}.{tuned.name}")
+                        report.plan(index, plan, context)
         # The runtime specialises every launch; once per variant (first dtypes and config) is enough for
         # the front end and the adapter, whose work does not depend on tile sizes.
         if not sweep or not variant.signatures:
@@ -475,8 +466,6 @@ def _print(report: Report) -> None:
         print(f"      first error: {report.errors[0]}{more}")
     if report.bisheng_error and report.bisheng_error != report.errors[0]:
         print(f"      first BiSheng error: {report.bisheng_error}")
-    if report.known_error:
-        print(f"      known BiSheng failure ({report.known_failures} lowerings): {report.known_error}")
 
 
 def _plan(plan: bisheng.Plan | None) -> str:
@@ -611,8 +600,6 @@ def main(argv: list[str] | None = None) -> int:
     if over := sum(r.over_declared(i) for r in reports for i in range(len(r.configs))):
         print(f"note: {over} config(s) marked '!' allocate more static buffers in the IR than they declare")
     passed = sum(not r.errors for r in reports)
-    known_kernels = sum(r.verdict == "KNOWN" for r in reports)
-    held = f" ({known_kernels} of the passed with known BiSheng failures)" if known_kernels else ""
     pairs = sum(len(r.configs) for r in reports)
     dropped = {site for r in reports + launches for site in r.dropped}
     unproven = {site for r in reports + launches for site in r.unproven}
@@ -633,24 +620,15 @@ def main(argv: list[str] | None = None) -> int:
         + (f"; over it: {'; '.join(over)}" if over else "")
     )
     compiled = reports + launches
-    known_by_kernel: Counter[str] = Counter()
-    for report in compiled:
-        known_by_kernel[report.label.split(" ")[0]] += report.known_failures
-    for kernel in sorted(bisheng.KNOWN_FAILURES.keys() & known_by_kernel.keys()):
-        if not known_by_kernel[kernel]:
-            print(f"FAIL  {kernel}: listed in bisheng.KNOWN_FAILURES but no longer fails: unlist it")
-            failed.append(kernel)
     planned = [
         (p.ub_bytes, r.label, r.configs[i]) for r in compiled for i, p in r.plans.items() if not p.error
     ]
     largest = max(planned, default=(0, "-", TuneConfig({}, 0)), key=lambda p: p[0])
-    known = sum(r.known_failures for r in compiled)
-    listed = f" ({known} of them the known failures of bisheng.KNOWN_FAILURES)" if known else ""
     failures = sum(r.compile_failures for r in compiled)
     print(
         f"bisheng: {sum(r.compiled for r in compiled) - failures} of {sum(r.compiled for r in compiled)}"
         f" lowerings through bishengir-compile ({bisheng.version().split(' (')[0]}, up to memory planning),"
-        f" {failures} failed{listed}, largest planned UB {_kib(largest[0])}"
+        f" {failures} failed, largest planned UB {_kib(largest[0])}"
         f" ({largest[1]} {_assignments(largest[2].params)})"
     )
     if not args.module:
@@ -662,7 +640,7 @@ def main(argv: list[str] | None = None) -> int:
         _print_table(reports)
     labels = " and ".join(label for label, _, _ in targets)
     print(
-        f"{passed} passed, {len(failed)} failed{held}: {pairs} (kernel, config) pairs lowered for {labels}"
+        f"{passed} passed, {len(failed)} failed: {pairs} (kernel, config) pairs lowered for {labels}"
         f" ({sum(r.lowerings for r in reports)} lowerings with the dtype variants)"
         f" in {time.perf_counter() - imported:.1f} s (+{imported - start:.1f} s imports)"
     )

@@ -29,9 +29,10 @@ Kernels
     windows to pool, not only every r-th); a token that closes a window pools it with an online
     softmax per channel over ``BLOCK_S`` slots at a time (each slot read from the new rows, the buffered
     open window or the overlap slice: masked loads from each, never a pointer select), then norms,
-    rotates and quantises the row in registers and stores it. ``_compress_state_kernel``: one task is
-    (request, ``BLOCK_C`` columns); it saves the Ca half of the last closed window, then the new open
-    window. It runs after the entries kernel, which reads the old state.
+    rotates (its pairs read back from a workspace row of the program's) and quantises the row and
+    stores it. ``_compress_state_kernel``: one task is (request, ``BLOCK_C`` columns); it saves the Ca
+    half of the last closed window, then the new open window. It runs after the entries kernel, which
+    reads the old state.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from triton_kernels import runtime, tuning
 from triton_kernels.quant import quantize_int8_ref
 from triton_kernels.rmsnorm import rms_norm_ref
 from triton_kernels.rope import apply_rope_ref
-from triton_kernels.shared import quantize_rows, rms_factor, rotate_pairs
+from triton_kernels.shared import quantize_rows, rms_factor
 from triton_kernels.spec import TuneConfig, Variant
 
 MAX_DIM = 1024  # the entry row is held whole
@@ -309,16 +310,26 @@ def compress_ref(
 
 
 @triton.jit
-def rotate_rows(x, pos, freq_ptr, nope, P, sign, DP: tl.constexpr):
-    """Rows ``x [R, DP]`` whose pairs ``(nope + 2i, nope + 2i + 1)``, ``i < P``, turn by ``sign·pos·freq[i]``.
+def _rotate_row(y, ws, pos, freq_ptr, nope, P, CP: tl.constexpr):
+    """The row ``y [CP]`` whose pairs ``(nope + 2i, nope + 2i + 1)``, ``i < P``, turn by ``pos·freq[i]``.
 
     ``nope`` is even, so every pair starts at an even channel; the other pairs turn by 0 (unchanged).
+    The row goes through the program's workspace row ``ws [CP]`` and comes back as its even and its odd
+    channels: split in registers (a reshape to pairs), BiSheng would lay out every tile the row is
+    computed from, the pooling loop's included, with a last axis of 2 padded to 8 and overflow UB.
     """
-    i = tl.arange(0, DP // 2) - nope // 2
+    tl.debug_barrier()  # the previous task has read the workspace
+    tl.store(ws + tl.arange(0, CP), y)
+    tl.debug_barrier()
+    h = tl.arange(0, CP // 2)
+    even = tl.load(ws + 2 * h)
+    odd = tl.load(ws + 2 * h + 1)
+    i = h - nope // 2
     turns = (i >= 0) & (i < P)
     safe = tl.minimum(tl.maximum(i, 0), P - 1)
     angle = pos * tl.load(freq_ptr + safe, mask=turns, other=0.0)  # in-bounds: index clamped to [0, P)
-    return rotate_pairs(x, tl.cos(angle)[None, :], (tl.sin(angle) * sign)[None, :])
+    cos, sin = tl.cos(angle), tl.sin(angle)
+    return tl.reshape(tl.join(even * cos - odd * sin, odd * cos + even * sin), [CP])
 
 
 @triton.jit
@@ -337,12 +348,13 @@ def _token_rows(
     sid,
     W,
     R,
+    ape_row,
     HAS_APE: tl.constexpr,
 ):
     """Raw kv and gate (plus ``ape``) of the tokens at positions ``tok`` and columns ``cols`` (2-D offsets).
 
     A token at or after ``start`` is a new row; an earlier one of the open window is a buffered row.
-    Rows that are neither (or not ``ok``) read as 0.
+    Rows that are neither (or not ``ok``) read as 0. ``ape_row`` is ``tok % R`` wherever ``tok >= 0``.
     """
     open_start = start - start % R
     new = (ok & (tok >= start))[:, None] & col_ok
@@ -354,9 +366,10 @@ def _token_rows(
     z = tl.load(gate_ptr + new_off, mask=new, other=0.0).to(tl.float32)
     z += tl.load(bgate_ptr + held_off, mask=held, other=0.0)
     if HAS_APE:
-        # Ascend drops this mask: tokens before the first window (negative tok % R) read offset 0.
-        ape_off = tl.where(new | held, (tok % R)[:, None] * W + cols, 0)
-        z += tl.load(ape_ptr + ape_off, mask=new | held, other=0.0)  # in-bounds: offset clamped
+        # Ascend drops this mask. The row is the slot's (tok's is negative before the first window), as an
+        # offset from a select would make the load a gather of single elements; the columns are clamped.
+        ape_off = ape_row[:, None] * W + tl.minimum(cols, W - 1)
+        z += tl.load(ape_ptr + ape_off, mask=new | held, other=0.0)  # in-bounds: row < R, columns clamped
     return x, z
 
 
@@ -412,6 +425,7 @@ def _pool_window(
             sid,
             W,
             R,
+            k % R,
             HAS_APE,
         )
         if OVERLAP:  # the Ca half of the window closed before this call
@@ -448,6 +462,7 @@ def _compress_kernel(
     slot_ptr,
     out_ptr,
     oscale_ptr,
+    ws_ptr,
     N,
     C,
     W,
@@ -499,8 +514,8 @@ def _compress_kernel(
                 pooled = tl.load(kv_ptr + i * W + c, mask=c_ok, other=0.0).to(tl.float32)
             y = pooled * rms_factor(tl.sum(pooled * pooled, axis=0), C, eps) * weight
             if ROPE:
-                rotated = rotate_rows(y[None, :], (g * R).to(tl.float32), freq_ptr, C - 2 * P, P, 1.0, CP)
-                y = tl.reshape(rotated, [CP])
+                ws = ws_ptr + tl.program_id(0) * CP
+                y = _rotate_row(y, ws, (g * R).to(tl.float32), freq_ptr, C - 2 * P, P, CP)
             if QUANT:  # as quant.quantize_int8: the entry is one row
                 codes, scale = quantize_rows(y[None, :])
                 y = tl.reshape(codes, [CP])
@@ -558,6 +573,7 @@ def _compress_state_kernel(
                         sid,
                         W,
                         R,
+                        k % R,
                         HAS_APE,
                     )
                     off = (sid * R + k)[:, None] * C + cols[None, :]
@@ -610,6 +626,9 @@ def compress_triton(
     order = torch.sort((~closes).to(torch.int32), stable=True).indices.to(torch.int32)
     freq = dummy if params.inv_freq is None else params.inv_freq.contiguous()
     p = 0 if params.inv_freq is None else params.inv_freq.numel()
+    cp = triton.next_power_of_2(c)
+    # The rotation's workspace: a row per program.
+    ws = torch.empty(_compress_tuned.grid(n)[0] * cp, device=kv.device) if p else dummy
     _compress_tuned[lambda meta: _compress_tuned.grid(n)](
         kv,
         gate,
@@ -628,6 +647,7 @@ def compress_triton(
         batch.slots,
         out,
         dummy if out_scale is None else out_scale,
+        ws,
         n,
         c,
         width,
@@ -639,7 +659,7 @@ def compress_triton(
         HAS_APE=params.ape is not None,
         ROPE=p > 0,
         QUANT=out.dtype == torch.int8,
-        CP=triton.next_power_of_2(c),
+        CP=cp,
     )
     if states is None or r == 1:
         return
@@ -696,7 +716,7 @@ def _compress_signature(x: str, out: str) -> dict[str, str]:
         ),
         **dict.fromkeys(("req_ptr", "order_ptr", "cu_ptr", "start_ptr", "sid_ptr", "slot_ptr"), "*i32"),
         "out_ptr": out,
-        "oscale_ptr": "*fp32",
+        **dict.fromkeys(("oscale_ptr", "ws_ptr"), "*fp32"),
         **dict.fromkeys(("N", "C", "W", "R", "P"), "i32"),
         "eps": "fp32",
     }

@@ -443,7 +443,10 @@ def _sparse_attn_kernel(
             m = m_new
         tl.debug_barrier()  # the scores are written before any lane reads them
         sink = tl.load(sink_ptr + h, mask=h_ok, other=0.0)
-        part = rows * SPLITS + split
+        # Partials split-major ([SPLITS, T * H] rows; the sums after all the maxima), so a head tile's
+        # maxima and sums are contiguous: written with a stride (interleaved, or token-major), BiSheng lays
+        # out the [BLOCK_H] vectors of the epilogue with their elements padded to 32 bytes and overflows UB.
+        part = split * T * H + rows
         # Pass 2, a slice of DS output channels at a time: acc += exp(s - m) v with the final max m, so
         # nothing is rescaled. An invalid slot gathers a zero row: whatever its weight, it adds nothing (a
         # row without valid slot has m = _NEG and weights 1).
@@ -466,8 +469,8 @@ def _sparse_attn_kernel(
         if SPLITS == 1:
             tl.store(lse_ptr + rows, _lse(m, total), mask=h_ok)
         else:
-            tl.store(part_ml_ptr + 2 * part, m, mask=h_ok)
-            tl.store(part_ml_ptr + 2 * part + 1, total, mask=h_ok)
+            tl.store(part_ml_ptr + part, m, mask=h_ok)
+            tl.store(part_ml_ptr + SPLITS * T * H + part, total, mask=h_ok)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -489,9 +492,9 @@ def _merge_kernel(
     d = tl.arange(0, DP)
     d_ok = d < D
     for row in range(tl.program_id(0), T * H, tl.num_programs(0)):
-        part = row * n_splits + s
-        m_s = tl.load(part_ml_ptr + 2 * part, mask=s_ok, other=_NEG)
-        l_s = tl.load(part_ml_ptr + 2 * part + 1, mask=s_ok, other=0.0)
+        part = s * T * H + row
+        m_s = tl.load(part_ml_ptr + part, mask=s_ok, other=_NEG)
+        l_s = tl.load(part_ml_ptr + n_splits * T * H + part, mask=s_ok, other=0.0)
         acc_s = tl.load(
             part_ptr + part[:, None] * D + d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0
         )
@@ -546,7 +549,7 @@ def sparse_attention_triton(
     else:
         rows = t * h * _MAX_SPLITS
         part = torch.empty((rows, d), dtype=torch.float32, device=q.device)
-        part_ml = torch.empty((rows, 2), dtype=torch.float32, device=q.device)
+        part_ml = torch.empty((2, rows), dtype=torch.float32, device=q.device)
         chosen = _decode_tuned[lambda meta: _decode_tuned.grid(tasks * meta["SPLITS"])](
             *operands, out, lse, part, part_ml, ws, *sizes, **consts
         )

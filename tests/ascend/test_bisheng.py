@@ -71,13 +71,6 @@ def test_a_run_that_never_reaches_hivmc_fails_even_without_an_error(tmp_path: Pa
     assert plan.error is not None and "exit -11" in plan.error and "Segmentation fault" in plan.error
 
 
-def test_known_failures_match_their_kernel_and_error_only() -> None:
-    overflow = "ub overflow, requires 9585152 bits while 1572864 bits available!"
-    assert bisheng.known("sparse_attn.decode", overflow)
-    assert not bisheng.known("sparse_attn.decode", "PlanMemory Traverse IR Failed!")
-    assert not bisheng.known("rmsnorm._rms_norm_kernel", overflow)
-
-
 def test_an_error_at_a_source_line_names_it_relative_to_the_repository(tmp_path: Path) -> None:
     source = Path.cwd() / "triton_kernels" / "indexer.py"
     log = (
