@@ -583,8 +583,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{report.verdict}  {report.label}  mix_mode={modes}  BiSheng {_plan(report.plans.get(0))}")
         if report.errors:
             print(f"      first error: {report.errors[0]}")
-        if report.known_error:
-            print(f"      known BiSheng failure: {report.known_error}")
     failed += [r.label for r in launches if r.errors]
     for fn, name in defined.items():
         if fn not in covered:
