@@ -62,6 +62,12 @@ def interpreter_active() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in _TRUE
 
 
+if interpreter_active():  # every op module imports this one: their kernels interpret with the fast path
+    from triton_kernels import interpreter
+
+    interpreter.install()
+
+
 def triton_on_cpu() -> bool:
     return interpreter_active() and os.environ.get("DSV4_TRITON_ON_CPU", "0").lower() in _TRUE
 
