@@ -47,7 +47,7 @@ from triton_kernels import runtime, tuning
 from triton_kernels.quant import quantize_int8_ref
 from triton_kernels.rmsnorm import rms_norm_ref
 from triton_kernels.rope import apply_rope_ref
-from triton_kernels.shared import quantize_rows, rms_factor
+from triton_kernels.shared import quantize_rows, rms_factor, turn_pairs
 from triton_kernels.spec import TuneConfig, Variant
 
 MAX_DIM = 1024  # the entry row is held whole
@@ -328,8 +328,7 @@ def _rotate_row(y, ws, pos, freq_ptr, nope, P, CP: tl.constexpr):
     turns = (i >= 0) & (i < P)
     safe = tl.minimum(tl.maximum(i, 0), P - 1)
     angle = pos * tl.load(freq_ptr + safe, mask=turns, other=0.0)  # in-bounds: index clamped to [0, P)
-    cos, sin = tl.cos(angle), tl.sin(angle)
-    return tl.reshape(tl.join(even * cos - odd * sin, odd * cos + even * sin), [CP])
+    return tl.reshape(turn_pairs(even, odd, tl.cos(angle), tl.sin(angle)), [CP])
 
 
 @triton.jit

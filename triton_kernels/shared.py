@@ -65,13 +65,20 @@ def rms_factor(sum_sq, n, eps):
 
 
 @triton.jit
+def turn_pairs(even, odd, cos, sin):
+    """The pairs ``(even, odd)`` turned by the angles of ``cos`` / ``sin``, as ``[..., 2]`` (the pair axis
+    last), in fp32 as transformers' RoPE computes them."""
+    return tl.join(even * cos - odd * sin, odd * cos + even * sin)
+
+
+@triton.jit
 def rotate_pairs(x, cos, sin):
     """The pairs ``(2i, 2i + 1)`` of rows ``x [R, 2H]`` turned by the angles of ``cos`` / ``sin``
-    (``[R, H]`` or ``[1, H]``), in fp32 as transformers' RoPE computes them."""
+    (``[R, H]`` or ``[1, H]``)."""
     rows: tl.constexpr = x.shape[0]
     half: tl.constexpr = x.shape[1] // 2
     even, odd = tl.split(tl.reshape(x, [rows, half, 2]))
-    return tl.reshape(tl.join(even * cos - odd * sin, odd * cos + even * sin), [rows, 2 * half])
+    return tl.reshape(turn_pairs(even, odd, cos, sin), [rows, 2 * half])
 
 
 @triton.jit
