@@ -3,7 +3,7 @@
 The interpreter reduces with numpy when it knows the combine function (sum, min, max, argmin, argmax)
 and otherwise one element at a time in Python. ``tl.sort`` is a bitonic network whose every
 compare-and-swap XOR-reduces over one axis to find each lane's partner, so one sort of 512 lanes took
-seconds: about 80 % of the interpreted time of the top-k and indexer kernels (their compaction sorts
+seconds: about 85 % of the interpreted time of the top-k and indexer kernels (their compaction sorts
 lane ids), in the kernel tests, the whole-model interpreter tests and the autotuner's dry run.
 ``install`` gives the XOR reduction numpy's ``bitwise_xor.reduce``, the same integers. Nothing a device
 compiles changes, and where an interpreter lacks the hooks (another triton) it does nothing.

@@ -16,7 +16,7 @@ from model.config import ModelConfig
 from model.testing.tiny import toy_config
 from triton_kernels import runtime, tuning
 
-pytestmark = pytest.mark.long  # minutes on two cores: scheduled first (tests/conftest.py)
+pytestmark = pytest.mark.long  # among the longest test files: scheduled first (tests/conftest.py)
 
 
 def test_dry_run_sweeps_every_op_and_the_kernels_launch_its_choices(

@@ -13,8 +13,6 @@ from benchmarks.kernels import main
 from benchmarks.roofline import Peaks, Row, plot, row
 from benchmarks.workload import Phase
 
-pytestmark = pytest.mark.long  # minutes on two cores: scheduled first (tests/conftest.py)
-
 
 def test_quick_run_prints_the_table_and_writes_json(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]

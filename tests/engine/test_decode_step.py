@@ -28,7 +28,7 @@ from model.tokenizer import load_tokenizer
 from triton_kernels import runtime
 from triton_kernels.compressor import compress
 
-pytestmark = pytest.mark.long  # minutes on two cores: scheduled first (tests/conftest.py)
+pytestmark = pytest.mark.long  # among the longest test files: scheduled first (tests/conftest.py)
 
 LENGTHS = (3, 9, 17, 30)
 # A scalar read, and the ops whose output shape depends on the data (the host waits for it).

@@ -12,7 +12,7 @@ from model.testing.tiny import write_tiny
 from tests.model.hf_oracle import transformers_model
 from triton_kernels import compressor, runtime, sparse_attn
 
-pytestmark = pytest.mark.long  # minutes on two cores: scheduled first (tests/conftest.py)
+pytestmark = pytest.mark.long  # among the longest test files: scheduled first (tests/conftest.py)
 
 TOL = 1e-4
 

@@ -17,7 +17,7 @@ from model.quant_linear import Fp8Linear
 from model.testing.tiny import write_tiny
 from triton_kernels import tuning
 
-pytestmark = pytest.mark.long  # minutes on two cores: scheduled first (tests/conftest.py)
+pytestmark = pytest.mark.long  # among the longest test files: scheduled first (tests/conftest.py)
 
 TOL = 1e-4
 

@@ -8,7 +8,7 @@ from triton_kernels.indexer import IndexQueries, KeyPool
 from triton_kernels.quant import quantize_int8
 from triton_kernels.topk import topk_positions_ref
 
-pytestmark = pytest.mark.long  # minutes on two cores: scheduled first (tests/conftest.py)
+pytestmark = pytest.mark.long  # among the longest test files: scheduled first (tests/conftest.py)
 
 VISIBLE = (0, 1, 7, 8, 9, 1000, 5000)
 HEADS, DIM = 4, 32

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from triton_kernels import runtime, topk
 from triton_kernels.topk import candidate_blocks_ref, topk_positions_ref
 
-pytestmark = pytest.mark.long  # minutes on two cores: scheduled first (tests/conftest.py)
+pytestmark = pytest.mark.long  # among the longest test files: scheduled first (tests/conftest.py)
 
 VISIBLE = (0, 1, 7, 8, 9, 1000, 5000)
 INF = float("inf")
