@@ -3,8 +3,9 @@
 ``python -m benchmarks.decode_launches [--arch v4 v41] [--requests 2 8]``
 
 Every operator runs its Triton kernel (``DSV4_TRITON_ON_CPU=1`` with ``TRITON_INTERPRET=1``), as on an
-NPU or a GPU. A launch is a Triton kernel launch or an aten operator dispatched outside one (views
-excepted: they launch nothing on a device), inside ``batch_forward`` of one decode step of
+NPU or a GPU. A launch is a Triton kernel launch or an aten operator dispatched outside one, views and
+allocations excepted: they launch nothing on a device (an allocation is the caching allocator's host
+bookkeeping, and a replayed graph makes none), inside ``batch_forward`` of one decode step of
 ``--requests`` requests (prompts of different lengths, one token each). Printed per layer, the total
 over the backbone's layers divided by their count, for the plain eager step and for the step of
 fixed shape that decode graphs capture (what one replay launches on the device). The counts must not
@@ -33,6 +34,14 @@ from model.tokenizer import load_tokenizer  # noqa: E402
 LENGTHS = (5, 29, 13, 21, 9, 33, 17, 25)  # 1 mod 4, below 127: the same windows close in every batch
 
 
+# Operators that only allocate or reinterpret memory (``_unsafe_view`` is a view torch does not mark as one).
+NO_LAUNCH = frozenset(
+    f"aten.{op}"
+    for op in ("empty.memory_format", "empty_like.default", "empty_strided.default", "new_empty.default",
+               "_unsafe_view.default")
+)  # fmt: skip
+
+
 class Launches(TorchDispatchMode):
     """Triton launches and the aten operators dispatched outside them, while ``active``."""
 
@@ -41,7 +50,7 @@ class Launches(TorchDispatchMode):
         self.active, self.inside, self.ops = False, 0, Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self.active and not self.inside and not func.is_view:
+        if self.active and not self.inside and not func.is_view and str(func) not in NO_LAUNCH:
             self.ops[str(func)] += 1
         return func(*args, **(kwargs or {}))
 

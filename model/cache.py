@@ -410,7 +410,7 @@ class Batch:
             tables[g.name] = torch.tensor(rows, dtype=torch.int64).view(len(seqs), width)
         _check_tables(tables, pools.num_blocks)
         window = pools.cfg.sliding_window
-        back = positions[:, None] - torch.arange(window)
+        back = (positions[:, None] - torch.arange(window)).to(torch.int32)
         batch = cls(pools, seqs, list(zip((ends - counts).tolist(), ends.tolist(), strict=True)), positions,
                     request.to(torch.int32), tables, positions, back, shape, padding)  # fmt: skip
         batch.window_write = batch.slots("window", request, positions)
@@ -448,6 +448,7 @@ class Batch:
         self.effects = []
 
     def to(self, device: torch.device) -> Batch:
+        self.shared = {}  # what the host built for its own slots stays there
         for name in ("positions", "request", "window_write", "window_read"):
             setattr(self, name, getattr(self, name).to(device))
         self.tables = {k: v.to(device) for k, v in self.tables.items()}
@@ -461,13 +462,21 @@ class Batch:
         return self
 
     def slots(self, group: str, request: torch.Tensor, numbers: torch.Tensor) -> torch.Tensor:
-        """Slots of positions or entry ``numbers`` of requests ``request`` (same shape); -1 stays -1."""
+        """Slots (int32) of positions or entry ``numbers`` of requests ``request`` (same shape); a number
+        below 0, or in a block of id -1, has slot -1."""
         per_block = self.pools.slots_per_block[group]
-        table = self.tables[group]
-        valid = numbers >= 0
-        block_index = torch.where(valid, numbers // per_block, 0).clamp(max=max(table.shape[1] - 1, 0))
-        block = table[request.long(), block_index] if table.shape[1] else torch.full_like(numbers, -1)
-        return torch.where(valid & (block >= 0), block * per_block + numbers % per_block, -1)
+        width = self.tables[group].shape[1]
+        firsts = self.once(("first_slots", group), lambda: self._first_slots(group))
+        # Number -1 reads the trailing column: every slot of an invalid block lies in [-per_block, -1].
+        numbers = numbers.clamp(-1, width * per_block - 1)
+        return (firsts[request, numbers // per_block] + numbers % per_block).clamp(min=-1)
+
+    def _first_slots(self, group: str) -> torch.Tensor:
+        """Each block's first slot ``[B, max_blocks + 1]`` (int32), ``-per_block`` for block -1 and in the
+        trailing column."""
+        per_block = self.pools.slots_per_block[group]
+        firsts = (self.tables[group] * per_block).to(torch.int32)
+        return torch.cat([firsts, firsts.new_full((firsts.shape[0], 1), -per_block)], dim=1)
 
     def once(self, key: tuple, make: Callable[[], Any]) -> Any:
         """``make()``, built once per step: the layers that need it share it."""
@@ -512,7 +521,7 @@ class Batch:
         """Entry numbers ``[T, max_entries]`` of every entry each token sees, ``-1`` beyond."""
 
         def make() -> torch.Tensor:
-            numbers = torch.arange(self.max_entries(ratio), device=self.positions.device)
+            numbers = torch.arange(self.max_entries(ratio), dtype=torch.int32, device=self.positions.device)
             numbers = numbers.expand(len(self.positions), -1)
             return numbers.masked_fill(numbers >= self.visible(ratio)[:, None], -1)
 
