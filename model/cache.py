@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from model.compressor import CompressorState
 from model.config import ModelConfig
 from model.plan import build_plan
-from triton_kernels.compressor import CompressBatch, CompressorStates
+from triton_kernels.compressor import CompressBatch, CompressorStates, closing_first
 from triton_kernels.indexer import KeyPool
 from triton_kernels.kv_store import QuantizedRows, store_quantized
 from triton_kernels.sparse_attn import KVPool
@@ -583,6 +583,8 @@ def _compress_meta(
         positions[:: shape.width].clamp(min=0).to(torch.int32),
         rows[:-1].clone(),
         torch.where(closes, torch.arange(len(positions)), -1).to(torch.int32),
+        request.to(torch.int32),
+        closing_first(closes),
     )
     return CompressMeta(batch, request, torch.where(closes, (positions + 1) // ratio - 1, -1))
 

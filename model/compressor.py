@@ -66,7 +66,7 @@ class CompressorState:
             kv = torch.cat(journal.kv)[:keep]
             gate = torch.cat(journal.gate)[:keep] if journal.gate else None
             slots = torch.full((keep,), -1, dtype=torch.int32, device=kv.device)
-            batch = CompressBatch.single(journal.num_tokens, slots)
+            batch = CompressBatch.single(journal.params.ratio, journal.num_tokens, slots)
             scratch = torch.empty(1, journal.params.norm_weight.numel(), device=kv.device)
             compress(kv, gate, batch, self.pending, journal.params, scratch)
 
@@ -187,9 +187,10 @@ def _advance(
 def _batch_meta(
     r: int, starts: tuple[int, ...], lengths: tuple[int, ...], device: torch.device
 ) -> tuple[CompressBatch, torch.Tensor, torch.Tensor]:
-    """The op's batch of requests that have seen ``starts`` tokens and bring ``lengths`` more, with the
-    request and the number of each entry they close. Every compressor of a ratio in a step asks for the
-    same: cached (the tensors are only read). Host metadata: numpy, a fraction of torch's cost per call."""
+    """The op's batch of requests that have seen ``starts`` tokens and bring ``lengths`` more (as
+    ``CompressBatch.build``), with the request and the number of each entry they close. Every compressor
+    of a ratio in a step asks for the same: cached (the tensors are only read). Host metadata: numpy, a
+    fraction of torch's cost per call."""
     n = len(starts)
     start, length = np.array(starts, dtype=np.int64), np.array(lengths, dtype=np.int64)
     firsts, counts = start // r, (start + length) // r - start // r
@@ -198,14 +199,15 @@ def _batch_meta(
     token_base, entry_base = length.cumsum() - length, counts.cumsum() - counts
     positions = start[token_request] + np.arange(len(token_request)) - token_base[token_request]
     row = entry_base[token_request] + (positions + 1) // r - 1 - firsts[token_request]
-    slots = np.where((positions + 1) % r == 0, row, -1)
+    closes = (positions + 1) % r == 0
+    slots = np.where(closes, row, -1)
+    order = np.argsort(~closes, kind="stable")  # as closing_first
     request = np.repeat(np.arange(n), counts)
     numbers = firsts[request] + np.arange(len(request)) - entry_base[request]
     cu = np.concatenate([[0], length.cumsum()])
-    meta = torch.from_numpy(np.concatenate([cu, start, np.arange(n), slots]).astype(np.int32)).to(device)
-    batch = CompressBatch(
-        meta[: n + 1], meta[n + 1 : 2 * n + 1], meta[2 * n + 1 : 3 * n + 1], meta[3 * n + 1 :]
-    )
+    fields = (cu, start, np.arange(n), slots, token_request, order)
+    meta = torch.from_numpy(np.concatenate(fields).astype(np.int32)).to(device)
+    batch = CompressBatch(*meta.split([len(f) for f in fields]))
     return batch, torch.from_numpy(request).to(device), torch.from_numpy(numbers).to(device)
 
 

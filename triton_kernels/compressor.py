@@ -6,6 +6,9 @@ Layout
     ``cu_seqlens[r] .. cu_seqlens[r+1]-1``, had seen ``start[r]`` tokens before (the position of its first
     new token) and keeps its state in row ``state_ids[r]`` (distinct) of the state pool; ``slots[i]`` is
     the pool slot of the entry that token i closes (ignored where no window closes, -1 = do not store).
+    It also carries what the kernels read per token, derived once per batch by ``CompressBatch.build``
+    (every compressor of a ratio in a step shares it): ``request[i]``, the request owning token i, and
+    ``order``, the tokens as the entries kernel takes them (any permutation gives the same results).
     ``CompressorStates`` is that pool (fp32, updated in place): ``buffer_kv, buffer_gate [S, ratio-1, W]``
     hold the raw kv / gate of the open window (row j = token ``start - start % ratio + j``, valid for
     ``j < start % ratio``); with overlap, ``overlap_kv, overlap_gate [S, ratio, c]`` hold the Ca halves of
@@ -73,12 +76,38 @@ class CompressBatch:
     start: torch.Tensor  # [R] int32
     state_ids: torch.Tensor  # [R] int32
     slots: torch.Tensor  # [N] int32
+    request: torch.Tensor  # [N] int32: the request of each token
+    order: torch.Tensor  # [N] int32: a permutation of the tokens, those that close a window first
 
     @classmethod
-    def single(cls, start: int, slots: torch.Tensor) -> CompressBatch:
+    def build(
+        cls,
+        ratio: int,
+        cu_seqlens: torch.Tensor,
+        start: torch.Tensor,
+        state_ids: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> CompressBatch:
+        """The batch of compressors of ``ratio``, its per-token fields derived from the others."""
+        n = slots.numel()
+        reqs = torch.arange(start.numel(), dtype=torch.int32, device=slots.device)
+        request = torch.repeat_interleave(reqs, cu_seqlens.diff(), output_size=n)
+        positions = start[request] + torch.arange(n, device=slots.device) - cu_seqlens[request]
+        closes = ((positions + 1) % ratio == 0) & (slots >= 0)
+        return cls(cu_seqlens, start, state_ids, slots, request, closing_first(closes))
+
+    @classmethod
+    def single(cls, ratio: int, start: int, slots: torch.Tensor) -> CompressBatch:
         """One request, state row 0, whose new tokens are the rows of ``slots``."""
         meta = torch.tensor([0, slots.numel(), start, 0], dtype=torch.int32).to(slots.device)
-        return cls(meta[:2], meta[2:3], meta[3:], slots)
+        return cls.build(ratio, meta[:2], meta[2:3], meta[3:], slots)
+
+
+def closing_first(closes: torch.Tensor) -> torch.Tensor:
+    """The entries kernel's task order: the tokens that close a window first, each part in token order.
+    Strided over the programs, every program gets its share of windows (in token order only every r-th
+    program would, as the grid is a multiple of r)."""
+    return torch.sort((~closes).to(torch.int32), stable=True).indices.to(torch.int32)
 
 
 @dataclass
@@ -171,6 +200,8 @@ def _validate(
         ("start", batch.start, (reqs,)),
         ("state_ids", batch.state_ids, (reqs,)),
         ("slots", batch.slots, (n,)),
+        ("request", batch.request, (n,)),
+        ("order", batch.order, (n,)),
     ):
         if x.dtype != torch.int32 or x.shape != shape:
             raise ValueError(f"{name}: {x.dtype} {tuple(x.shape)} must be torch.int32 {shape}")
@@ -208,12 +239,18 @@ def _check_ranges(batch: CompressBatch, states: CompressorStates | None, n: int,
     """Index ranges of the batch, read back from the device in one transfer."""
     cu, start, ids, slots = batch.cu_seqlens, batch.start, batch.state_ids, batch.slots
     ends = start.long() + cu.diff()
-    order = ids.sort().values
+    sorted_ids = ids.sort().values
     stats = [cu[0], cu[-1], cu.diff().min(), start.min(), start.max(), ends.max(), ids.min(), ids.max()]
+    # Token i's request owns rows cu[request[i]] .. cu[request[i] + 1] - 1.
+    tokens, req = torch.arange(n, device=cu.device), batch.request.long()
+    owner = req.clamp(0, len(start) - 1)
+    stray = (req != owner) | (cu[owner] > tokens) | (cu[owner + 1] <= tokens)
     stats += [
-        (order[1:] == order[:-1]).sum(),
+        (sorted_ids[1:] == sorted_ids[:-1]).sum(),
         slots.min() if n else cu[0] - 1,
         slots.max() if n else cu[0] - 1,
+        stray.sum(),
+        (batch.order.sort().values != tokens).sum(),
     ]
     s = [int(v) for v in torch.stack([v.long() for v in stats]).tolist()]
     if s[0] != 0 or s[1] != n or s[2] < 0:
@@ -231,6 +268,10 @@ def _check_ranges(batch: CompressBatch, states: CompressorStates | None, n: int,
         )
     if s[9] < -1 or s[10] >= num_slots:
         raise ValueError(f"slots: range [{s[9]}, {s[10]}] must lie in [-1, {num_slots}) (out rows)")
+    if s[11]:
+        raise ValueError(f"request: {s[11]} tokens not of the request whose rows cu_seqlens gives them")
+    if s[12]:
+        raise ValueError(f"order: must be a permutation of the {n} tokens ({s[12]} places differ)")
 
 
 def _ragged(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -614,15 +655,6 @@ def compress_triton(
     )
     # states is None only with every start 0: no buffered row is ever read, state row 0 stands in.
     sid = batch.state_ids if states is not None else torch.zeros_like(batch.start)
-    lengths = batch.cu_seqlens.diff()
-    request = torch.repeat_interleave(
-        torch.arange(reqs, dtype=torch.int32, device=kv.device), lengths, output_size=n
-    )
-    # The tokens that close a window first: strided over the programs, every program gets its share of
-    # windows (in token order only every r-th program would, as the grid is a multiple of r).
-    positions = batch.start[request] + torch.arange(n, device=kv.device) - batch.cu_seqlens[request]
-    closes = ((positions + 1) % r == 0) & (batch.slots >= 0)
-    order = torch.sort((~closes).to(torch.int32), stable=True).indices.to(torch.int32)
     freq = dummy if params.inv_freq is None else params.inv_freq.contiguous()
     p = 0 if params.inv_freq is None else params.inv_freq.numel()
     cp = triton.next_power_of_2(c)
@@ -638,8 +670,8 @@ def compress_triton(
         ogate,
         params.norm_weight.contiguous(),
         freq,
-        request,
-        order,
+        batch.request,
+        batch.order,
         batch.cu_seqlens,
         batch.start,
         sid,

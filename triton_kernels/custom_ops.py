@@ -356,6 +356,8 @@ def _compress(
     start: Tensor,
     state_ids: Tensor,
     slots: Tensor,
+    request: Tensor,
+    order: Tensor,
     buffer_kv: Tensor,
     buffer_gate: Tensor,
     overlap_kv: Tensor | None,
@@ -369,14 +371,14 @@ def _compress(
     out: Tensor,
     out_scale: Tensor | None,
 ) -> None:
-    batch = CompressBatch(cu_seqlens, start, state_ids, slots)
+    batch = CompressBatch(cu_seqlens, start, state_ids, slots, request, order)
     states = CompressorStates(buffer_kv, buffer_gate, overlap_kv, overlap_gate)
     params = CompressorParams(ratio, overlap, norm_weight, eps, ape, inv_freq)
     compressor.compress(kv, gate, batch, states, params, out, out_scale)
 
 
 @_compress.register_fake
-def _(kv, gate, cu_seqlens, start, state_ids, slots, buffer_kv, buffer_gate, overlap_kv, overlap_gate, *rest):
+def _(kv, gate, cu_seqlens, start, state_ids, slots, request, order, buffer_kv, buffer_gate, *rest):
     return None
 
 
@@ -394,8 +396,9 @@ def compress(
         return compressor.compress(kv, gate, batch, states, params, out, out_scale)
     b, s, p = batch, states, params
     _compress(
-        kv, gate, b.cu_seqlens, b.start, b.state_ids, b.slots, s.buffer_kv, s.buffer_gate, s.overlap_kv,
-        s.overlap_gate, p.ratio, p.overlap, p.norm_weight, p.eps, p.ape, p.inv_freq, out, out_scale,
+        kv, gate, b.cu_seqlens, b.start, b.state_ids, b.slots, b.request, b.order, s.buffer_kv, s.buffer_gate,
+        s.overlap_kv, s.overlap_gate, p.ratio, p.overlap, p.norm_weight, p.eps, p.ape, p.inv_freq, out,
+        out_scale,
     )  # fmt: skip
     return None
 

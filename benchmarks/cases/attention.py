@@ -85,7 +85,8 @@ def _compressor(
     closes = (positions + 1) % ratio == 0
     slots = torch.full((n,), -1, dtype=torch.int32, device=dev)
     slots[closes] = torch.arange(int(closes.sum()), dtype=torch.int32, device=dev)
-    batch = CompressBatch(
+    batch = CompressBatch.build(
+        ratio,
         torch.arange(0, n + 1, tokens, dtype=torch.int32, device=dev),
         torch.full((reqs,), start, dtype=torch.int32, device=dev),
         torch.arange(reqs, dtype=torch.int32, device=dev),

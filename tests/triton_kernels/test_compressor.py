@@ -72,7 +72,8 @@ def _schedules(run: Run, kv, gate, params, chunks: list[int]) -> tuple[torch.Ten
         owner = torch.cat([torch.full((b - a,), i) for i, (a, b) in zip(active, spans, strict=True)])
         slots = torch.where((rows + 1) % r == 0, owner * entries + closed - 1, -1).to(torch.int32)
         lengths = torch.tensor([0] + [b - a for a, b in spans])
-        batch = CompressBatch(
+        batch = CompressBatch.build(
+            r,
             lengths.cumsum(0).to(torch.int32),
             torch.tensor([a for a, _ in spans], dtype=torch.int32),
             torch.tensor(active, dtype=torch.int32),
@@ -159,8 +160,9 @@ def _prefilled(params: CompressorParams, streams, starts: list[int], ids: list[i
     states = CompressorStates.empty(max(ids) + 1, params.ratio, c, params.overlap, "cpu")
     for (kv, gate), start, sid in zip(streams, starts, ids, strict=True):
         slots = torch.full((start,), -1, dtype=torch.int32)
-        batch = CompressBatch(torch.tensor([0, start], dtype=torch.int32), torch.zeros(1, dtype=torch.int32),
-                              torch.tensor([sid], dtype=torch.int32), slots)  # fmt: skip
+        i32 = torch.int32
+        cu, sid_t = torch.tensor([0, start], dtype=i32), torch.tensor([sid], dtype=i32)
+        batch = CompressBatch.build(params.ratio, cu, torch.zeros(1, dtype=i32), sid_t, slots)
         compress_ref(
             kv[:start], None if gate is None else gate[:start], batch, states, params, torch.zeros(1, c)
         )
@@ -200,8 +202,13 @@ def test_kernel_matches_reference_on_a_ragged_batch(
     slots[closes] = torch.randperm(int(closes.sum()), generator=_gen(1)) + 1  # slot 0 stays unused
     slots[closes.nonzero()[-1]] = -1  # computed, not stored
     lengths_t = torch.tensor([0, *lengths])
-    batch = CompressBatch(lengths_t.cumsum(0).to(torch.int32), torch.tensor(starts, dtype=torch.int32),
-                          torch.tensor(ids, dtype=torch.int32), slots.to(torch.int32))  # fmt: skip
+    batch = CompressBatch.build(
+        ratio,
+        lengths_t.cumsum(0).to(torch.int32),
+        torch.tensor(starts, dtype=torch.int32),
+        torch.tensor(ids, dtype=torch.int32),
+        slots.to(torch.int32),
+    )
     results = []
     for run in (compress_ref, compress_triton):
         pool_dtype = torch.int8 if formats == "int8" else dtype
@@ -229,7 +236,7 @@ def test_stateless_call_compresses_complete_groups(ratio: int) -> None:
     slots = torch.where(
         torch.arange(kv.shape[0]) % ratio == ratio - 1, torch.arange(kv.shape[0]) // ratio, -1
     )
-    batch = CompressBatch.single(0, slots.to(torch.int32))
+    batch = CompressBatch.single(ratio, 0, slots.to(torch.int32))
     outs = []
     for run in (compress_ref, compress_triton):
         outs.append(torch.zeros(4, C))
@@ -244,7 +251,9 @@ def _call(ratio: int = 4, **change):
     args = {
         "kv": kv,
         "gate": gate,
-        "batch": CompressBatch.single(0, torch.tensor([-1, -1, -1, 0, -1, -1, -1, 1], dtype=torch.int32)),
+        "batch": CompressBatch.single(
+            ratio, 0, torch.tensor([-1, -1, -1, 0, -1, -1, -1, 1], dtype=torch.int32)
+        ),
         "states": CompressorStates.empty(1, ratio, C, params.overlap, "cpu"),
         "params": params,
         "out": torch.zeros(2, C),
@@ -262,7 +271,7 @@ def _call(ratio: int = 4, **change):
         ({"out": torch.zeros(2, C, dtype=torch.int8)}, "out_scale: must be given"),
         ({"out": torch.zeros(1, C)}, r"slots: range \[-1, 1\] must lie in \[-1, 1\)"),
         (
-            {"states": None, "batch": CompressBatch.single(3, torch.full((8,), -1, dtype=torch.int32))},
+            {"states": None, "batch": CompressBatch.single(4, 3, torch.full((8,), -1, dtype=torch.int32))},
             "needs a state",
         ),
         ({"states": CompressorStates(torch.zeros(1, 3, 32), torch.zeros(1, 3, 32))}, "overlap slices"),
@@ -277,11 +286,20 @@ def test_contract_is_validated(change: dict, message: str) -> None:
         _call(**change)
 
 
-def _batch(cu: list[int], start: list[int], ids: list[int]) -> CompressBatch:
+def _batch(
+    cu: list[int],
+    start: list[int],
+    ids: list[int],
+    request: list[int] | None = None,
+    order: list[int] | None = None,
+) -> CompressBatch:
+    """Given as is (``CompressBatch.build`` would derive request and order from the others): 8 tokens, by
+    default all of request 0 in token order."""
     i32 = torch.int32
     return CompressBatch(
         torch.tensor(cu, dtype=i32), torch.tensor(start, dtype=i32), torch.tensor(ids, dtype=i32),
-        torch.full((8,), -1, dtype=i32),
+        torch.full((8,), -1, dtype=i32), torch.tensor(request or [0] * 8, dtype=i32),
+        torch.tensor(order or range(8), dtype=i32),
     )  # fmt: skip
 
 
@@ -294,6 +312,9 @@ def _batch(cu: list[int], start: list[int], ids: list[int]) -> CompressBatch:
         (_batch([0, 4, 8], [0, 0], [0, 2]), r"state_ids: range \[0, 2\]"),
         (_batch([0, 8], [-4], [0]), r"start: range \[-4"),
         (_batch([0, 8], [0, 0], [0]), r"cu_seqlens: torch.int32 \(2,\) must be torch.int32 \(3,\)"),
+        (_batch([0, 4, 8], [0, 0], [0, 1]), "request: 4 tokens not of the request"),
+        (_batch([0, 4, 8], [0, 0], [0, 1], [0, 0, 0, 0, 1, 1, 1, 2]), "request: 1 tokens"),
+        (_batch([0, 8], [0], [0], order=[0, 1, 2, 3, 4, 5, 6, 6]), "order: must be a permutation"),
     ],
 )
 def test_batch_is_validated(batch: CompressBatch, message: str) -> None:
