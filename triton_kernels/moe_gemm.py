@@ -402,32 +402,35 @@ def _launch(
     )
 
 
-def _activations(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _activations(x: torch.Tensor, fmt: str, unread: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """What a launch reads as ``a``: int8 rows and their scales for the integer formats (the rounding of
-    ``quant_matmul_ref``), else the rows themselves (with a scale that is never read)."""
+    ``quant_matmul_ref``), else the rows themselves, with ``unread`` (any fp32 tensor) as the scale."""
     if fmt in INTEGER_FORMATS:
         return quantize_int8_ref(x)
-    return x.contiguous(), torch.ones(1, device=x.device)
+    return x.contiguous(), unread
 
 
 def moe_gemm_triton(
     x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: RoutedExperts
 ) -> torch.Tensor:
     t, k = topk_ids.shape
-    routing = sort_by_expert(topk_ids, topk_weights, experts.num_experts)
-    rows = routing.tokens.numel()
-    # Zeros: the integer formats quantise every row of it, the dropped ones too.
-    hidden = torch.zeros((rows, experts.inter), dtype=torch.float32, device=x.device)
-    y = torch.zeros((rows, x.shape[1]), dtype=torch.float32, device=x.device)  # dropped rows stay 0
-    if rows:
-        limit = float("inf") if experts.swiglu_limit is None else float(experts.swiglu_limit)
-        a, a_scale = _activations(x, experts.w1.format)
-        _launch(_gate_up_tuned, a, a_scale, routing, experts.w1, experts.w3, hidden, limit, gate_up=True)
-        # The integer formats quantise the SwiGLU output per row again before w2 (a dynamic per-token
-        # scale, as Ascend's grouped W8A8 / W4A8 path does).
-        h, h_scale = _activations(hidden, experts.w2.format)
-        _launch(_down_tuned, h, h_scale, routing, experts.w2, experts.w2, y, limit, gate_up=False)
-    return y[routing.inverse].view(t, k, x.shape[1]).sum(1).to(x.dtype)
+    if not topk_ids.numel():
+        return x.new_zeros(x.shape)
+    routing = sort_by_expert_triton(topk_ids, topk_weights, experts.num_experts)
+    rows, inter, hidden_size = topk_ids.numel(), experts.inter, x.shape[1]
+    # One zero fill for both: the integer formats quantise every row of the SwiGLU output, the dropped
+    # ones too, and the combine reads the dropped rows of the output as 0.
+    zeros = torch.zeros(rows * (inter + hidden_size), dtype=torch.float32, device=x.device)
+    hidden, y = zeros[: rows * inter].view(rows, inter), zeros[rows * inter :].view(rows, hidden_size)
+    limit = float("inf") if experts.swiglu_limit is None else float(experts.swiglu_limit)
+    # The routing weights stand in for the scales the dense and packed formats never read.
+    a, a_scale = _activations(x, experts.w1.format, routing.weights)
+    _launch(_gate_up_tuned, a, a_scale, routing, experts.w1, experts.w3, hidden, limit, gate_up=True)
+    # The integer formats quantise the SwiGLU output per row again before w2 (a dynamic per-token
+    # scale, as Ascend's grouped W8A8 / W4A8 path does).
+    h, h_scale = _activations(hidden, experts.w2.format, routing.weights)
+    _launch(_down_tuned, h, h_scale, routing, experts.w2, experts.w2, y, limit, gate_up=False)
+    return y[routing.inverse].view(t, k, hidden_size).sum(1).to(x.dtype)
 
 
 def _gate_up_ub(block_m: int, block_n: int, block_k: int) -> int:
