@@ -43,7 +43,9 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert indices ``[S, k]`` and their weights ``[S, k]`` (fp32)."""
-        scores = torch.sqrt(F.softplus(F.linear(x.float(), self.weight.float()) / self.temp))
+        logits = F.linear(x.float(), self.weight.float())
+        # Dividing or multiplying by 1.0 is exact: skipping it keeps every bit and saves a launch.
+        scores = torch.sqrt(F.softplus(logits if self.temp == 1.0 else logits / self.temp))
         if hasattr(self, "tid2eid"):
             picked = self.tid2eid[ids]
         else:
@@ -51,7 +53,7 @@ class Gate(nn.Module):
         weights = scores.gather(1, picked)
         if self.normalize:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return picked, weights * self.scaling
+        return picked, weights if self.scaling == 1.0 else weights * self.scaling
 
 
 class MoE(nn.Module):

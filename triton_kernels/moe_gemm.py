@@ -91,6 +91,69 @@ def sort_by_expert(topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_exper
     return ExpertRouting(tokens, topk_weights.reshape(-1)[order].contiguous(), offsets, inverse)
 
 
+@triton.jit
+def _expert_keys(ids_ptr, choices, S, E):
+    """Each choice's expert, int32 (the range check in the ids' dtype: an int64 id is not wrapped first);
+    an id outside ``[0, E)`` and a lane past ``S`` get ``E``: dropped, sorted last."""
+    ids = tl.load(ids_ptr + choices, mask=choices < S, other=-1)
+    return tl.where((ids >= 0) & (ids < E), ids, E).to(tl.int32)
+
+
+@triton.jit(do_not_specialize=["S"])
+def _route_kernel(
+    ids_ptr, w_ptr, tok_ptr, rw_ptr, off_ptr, inv_ptr, S, K, E, E_PAD: tl.constexpr, BLOCK: tl.constexpr
+):
+    """One program: ``sort_by_expert`` of the ``S = T * k`` choices ``ids [S]`` (int32 | int64) and
+    ``w [S]`` fp32 into ``tok`` / ``rw`` ``[S + BLOCK]`` (rows past ``S`` are scratch), ``off [E + 1]``
+    and ``inv [S]`` int64, ``E < E_PAD``, ``S + BLOCK <= 2**24``. Pass 1: a histogram of the experts,
+    whose exclusive cumsum is the offsets. Pass 2, block by block: a choice's row is its expert's next
+    row (carried across blocks) plus the number of earlier choices of its block with the same expert."""
+    experts, lanes = tl.arange(0, E_PAD), tl.arange(0, BLOCK)
+    counts = tl.zeros([E_PAD], dtype=tl.int32)
+    for start in range(0, S, BLOCK):
+        counts += tl.histogram(_expert_keys(ids_ptr, start + lanes, S, E), E_PAD)
+    next_row = tl.cumsum(counts, axis=0) - counts
+    tl.store(off_ptr + experts, next_row, mask=experts <= E)
+    earlier = lanes[None, :] < lanes[:, None]
+    for start in range(0, S, BLOCK):
+        choices = start + lanes
+        live = choices < S
+        keys = _expert_keys(ids_ptr, choices, S, E)
+        rank = tl.sum(((keys[:, None] == keys[None, :]) & earlier).to(tl.int32), axis=1)
+        # Ascend gathers floats only: fp32 holds the rows exactly (below 2**24).
+        rows = tl.gather(next_row.to(tl.float32), keys, 0).to(tl.int32) + rank
+        next_row += tl.histogram(keys, E_PAD)
+        tl.store(inv_ptr + choices, rows.to(tl.int64), mask=live)
+        # Unmasked scatters: the lanes past S are the last dropped choices, rows S .. S + BLOCK - 1, which
+        # no live lane shares (a masked scatter may write masked lanes back on Ascend).
+        tl.store(tok_ptr + rows, choices // K)
+        tl.store(rw_ptr + rows, tl.load(w_ptr + choices, mask=live, other=0.0))
+
+
+def sort_by_expert_triton(
+    topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int
+) -> ExpertRouting:
+    """``sort_by_expert`` in one launch, its fields views of one allocation."""
+    e_pad = triton.next_power_of_2(num_experts + 1)
+    if e_pad > _ROUTE_MAX_E_PAD:
+        raise ValueError(f"num_experts: {num_experts} exceeds the routing kernel's {_ROUTE_MAX_E_PAD - 1}")
+    s, rows = topk_ids.numel(), topk_ids.numel() + _ROUTE_SPARE_ROWS
+    if rows > _ROUTE_MAX_ROWS:
+        raise ValueError(
+            f"topk_ids: {s} choices exceed the routing kernel's {_ROUTE_MAX_ROWS - _ROUTE_SPARE_ROWS}"
+        )
+    # int32 words: inverse (int64), tokens, weights (fp32), offsets.
+    words = torch.empty(2 * s + 2 * rows + num_experts + 1, dtype=torch.int32, device=topk_ids.device)
+    inverse = words[: 2 * s].view(torch.int64)
+    tokens, weights = words[2 * s : 2 * s + rows], words[2 * s + rows : 2 * s + 2 * rows].view(torch.float32)
+    offsets = words[2 * s + 2 * rows :]
+    _route_tuned[_route_tuned.grid(1)](
+        topk_ids.reshape(-1), topk_weights.reshape(-1), tokens, weights, offsets, inverse, s,
+        max(1, topk_ids.shape[1]), num_experts, E_PAD=e_pad,
+    )  # fmt: skip
+    return ExpertRouting(tokens[:s], weights[:s], offsets, inverse)
+
+
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
     if limit is not None:
         gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
@@ -339,32 +402,35 @@ def _launch(
     )
 
 
-def _activations(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _activations(x: torch.Tensor, fmt: str, unread: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """What a launch reads as ``a``: int8 rows and their scales for the integer formats (the rounding of
-    ``quant_matmul_ref``), else the rows themselves (with a scale that is never read)."""
+    ``quant_matmul_ref``), else the rows themselves, with ``unread`` (any fp32 tensor) as the scale."""
     if fmt in INTEGER_FORMATS:
         return quantize_int8_ref(x)
-    return x.contiguous(), torch.ones(1, device=x.device)
+    return x.contiguous(), unread
 
 
 def moe_gemm_triton(
     x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: RoutedExperts
 ) -> torch.Tensor:
     t, k = topk_ids.shape
-    routing = sort_by_expert(topk_ids, topk_weights, experts.num_experts)
-    rows = routing.tokens.numel()
-    # Zeros: the integer formats quantise every row of it, the dropped ones too.
-    hidden = torch.zeros((rows, experts.inter), dtype=torch.float32, device=x.device)
-    y = torch.zeros((rows, x.shape[1]), dtype=torch.float32, device=x.device)  # dropped rows stay 0
-    if rows:
-        limit = float("inf") if experts.swiglu_limit is None else float(experts.swiglu_limit)
-        a, a_scale = _activations(x, experts.w1.format)
-        _launch(_gate_up_tuned, a, a_scale, routing, experts.w1, experts.w3, hidden, limit, gate_up=True)
-        # The integer formats quantise the SwiGLU output per row again before w2 (a dynamic per-token
-        # scale, as Ascend's grouped W8A8 / W4A8 path does).
-        h, h_scale = _activations(hidden, experts.w2.format)
-        _launch(_down_tuned, h, h_scale, routing, experts.w2, experts.w2, y, limit, gate_up=False)
-    return y[routing.inverse].view(t, k, x.shape[1]).sum(1).to(x.dtype)
+    if not topk_ids.numel():
+        return x.new_zeros(x.shape)
+    routing = sort_by_expert_triton(topk_ids, topk_weights, experts.num_experts)
+    rows, inter, hidden_size = topk_ids.numel(), experts.inter, x.shape[1]
+    # One zero fill for both: the integer formats quantise every row of the SwiGLU output, the dropped
+    # ones too, and the combine reads the dropped rows of the output as 0.
+    zeros = torch.zeros(rows * (inter + hidden_size), dtype=torch.float32, device=x.device)
+    hidden, y = zeros[: rows * inter].view(rows, inter), zeros[rows * inter :].view(rows, hidden_size)
+    limit = float("inf") if experts.swiglu_limit is None else float(experts.swiglu_limit)
+    # The routing weights stand in for the scales the dense and packed formats never read.
+    a, a_scale = _activations(x, experts.w1.format, routing.weights)
+    _launch(_gate_up_tuned, a, a_scale, routing, experts.w1, experts.w3, hidden, limit, gate_up=True)
+    # The integer formats quantise the SwiGLU output per row again before w2 (a dynamic per-token
+    # scale, as Ascend's grouped W8A8 / W4A8 path does).
+    h, h_scale = _activations(hidden, experts.w2.format, routing.weights)
+    _launch(_down_tuned, h, h_scale, routing, experts.w2, experts.w2, y, limit, gate_up=False)
+    return y[routing.inverse].view(t, k, hidden_size).sum(1).to(x.dtype)
 
 
 def _gate_up_ub(block_m: int, block_n: int, block_k: int) -> int:
@@ -418,4 +484,31 @@ _gate_up_tuned, _down_tuned = (
     )
     for gate_up in (1, 0)
 )
-KERNELS = (_gate_up_tuned, _down_tuned)
+
+
+_ROUTE_MAX_E_PAD = 512  # the histograms the footprints are declared for: up to 511 experts
+_ROUTE_MAX_ROWS = 2**24  # rows gathered in fp32
+
+
+def _route_ub(block: int) -> int:
+    # The [BLOCK, BLOCK] compare and its int32 sum operand, the histograms, next rows and their fp32 copy.
+    return 4 * 2 * block * block + 4 * 4 * _ROUTE_MAX_E_PAD + 4 * 8 * block
+
+
+_ROUTE_CONFIGS = tuple(TuneConfig({"BLOCK": b}, _route_ub(b), multibuffer=False) for b in (16, 32))
+_ROUTE_SPARE_ROWS = max(c.params["BLOCK"] for c in _ROUTE_CONFIGS)
+
+
+def _route_signature(ids: str) -> dict[str, str]:
+    pointers = {"ids_ptr": ids, "w_ptr": "*fp32", "tok_ptr": "*i32", "rw_ptr": "*fp32", "off_ptr": "*i32"}
+    return {**pointers, "inv_ptr": "*i64", "S": "i32", "K": "i32", "E": "i32"}
+
+
+_route_tuned = tuning.TunedKernel(
+    _route_kernel,
+    _ROUTE_CONFIGS,
+    key=["S", "E"],
+    name="route",
+    variants=(Variant({"E_PAD": _ROUTE_MAX_E_PAD}, (_route_signature("*i32"), _route_signature("*i64"))),),
+)
+KERNELS = (_route_tuned, _gate_up_tuned, _down_tuned)

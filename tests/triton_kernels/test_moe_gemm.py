@@ -1,12 +1,21 @@
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from model.quant import dequantize_fp4, dequantize_fp8
 from tests.triton_kernels.packed import assert_close, random_weight
 from triton_kernels import moe_gemm, runtime
-from triton_kernels.moe_gemm import RoutedExperts, moe_gemm_ref, moe_gemm_triton, sort_by_expert
+from triton_kernels.moe_gemm import (
+    ExpertRouting,
+    RoutedExperts,
+    moe_gemm_ref,
+    moe_gemm_triton,
+    sort_by_expert,
+    sort_by_expert_triton,
+)
 from triton_kernels.quant import dequantize_int8, quantize_int8_ref
 from triton_kernels.quant_matmul import QuantWeight, dense_weight
 
@@ -97,6 +106,41 @@ def test_sort_by_expert_groups_choices_stably() -> None:
     for e in range(E):
         rows = routing.tokens[routing.offsets[e] : routing.offsets[e + 1]]
         assert torch.equal(rows.long(), (choice[flat == e] // K_CHOICES))  # tokens ascending
+
+
+def _assert_same_routing(routing: ExpertRouting, expected: ExpertRouting) -> None:
+    for field in dataclasses.fields(ExpertRouting):
+        got, want = getattr(routing, field.name), getattr(expected, field.name)
+        assert got.dtype == want.dtype and torch.equal(got, want), field.name
+
+
+# Choices from one block to many (BLOCK 16 or 32), k = 1 .. 8, E not a power of two, E + 1 one (7), E = 1.
+@pytest.mark.parametrize("id_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize(("t", "k", "experts"), [(1, 1, 3), (3, 8, 5), (17, 6, 7), (40, 1, 1), (300, 3, 13)])
+def test_routing_kernel_equals_sort_by_expert(t: int, k: int, experts: int, id_dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(t * k)
+    # Ids from -1 to E + 1: ties within and across blocks, dropped choices (-1 and >= E) among them.
+    ids = torch.randint(-1, experts + 2, (t, k), generator=gen, dtype=id_dtype)
+    weights = torch.rand(t, k, generator=gen)
+    _assert_same_routing(sort_by_expert_triton(ids, weights, experts), sort_by_expert(ids, weights, experts))
+
+
+@pytest.mark.parametrize("config", moe_gemm._ROUTE_CONFIGS, ids=lambda c: f"BLOCK={c.params['BLOCK']}")
+def test_every_routing_config_equals_sort_by_expert(config) -> None:  # noqa: ANN001
+    # 256 experts (V4-Flash's, the widest tile); int64 ids that an int32 cast would wrap into range.
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(-1, 258, (37, 6), generator=gen)
+    ids[0, :3] = torch.tensor([2**32 + 5, -(2**32) + 7, 2**31])
+    weights = torch.rand(37, 6, generator=gen)
+    with moe_gemm._route_tuned.forced(config):
+        routing = sort_by_expert_triton(ids, weights, 256)
+    _assert_same_routing(routing, sort_by_expert(ids, weights, 256))
+
+
+def test_routing_kernel_refuses_more_experts_than_its_tile() -> None:
+    ids = torch.zeros(2, 2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="num_experts: 512 exceeds the routing kernel's 511"):
+        sort_by_expert_triton(ids, torch.rand(2, 2), 512)
 
 
 @pytest.mark.parametrize("limit", [0.5, None])
