@@ -29,8 +29,9 @@ from model.compressor import CompressorState
 from model.config import ModelConfig
 from model.plan import build_plan
 from triton_kernels.compressor import CompressBatch, CompressorStates, closing_first
+from triton_kernels.custom_ops import store_quantized, store_rows
 from triton_kernels.indexer import KeyPool
-from triton_kernels.kv_store import QuantizedRows, store_quantized
+from triton_kernels.kv_store import QuantizedRows
 from triton_kernels.sparse_attn import KVPool
 
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
@@ -506,7 +507,7 @@ class Batch:
         if self.shape is None or pool.scale is not None:  # the quantised store skips slot -1 itself
             pool.write(slots, rows)
         else:
-            store_rows(pool.data, slots, rows)
+            store_rows(rows, slots, pool.data)
 
     def max_entries(self, ratio: int) -> int:
         """Entries of the request that has the most once this call's tokens are in; with ``shape``, what
@@ -559,16 +560,6 @@ class Batch:
         table = self.once(("key_table", ratio), lambda: self.tables[name][:, :blocks].to(torch.int32))
         keys = self.pools.index_keys[layer]
         return KeyPool(keys.data, table, per_block, keys.scale)
-
-
-def store_rows(pool: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
-    """``pool[slots[i]] = rows[i]`` where ``slots[i] >= 0``, with no host read (a graph can hold it): a
-    row of slot -1 writes the first kept row again (the same value twice), or, when none is kept, the
-    pool's own row back."""
-    keep = slots >= 0
-    source = torch.where(keep, torch.arange(len(slots), device=slots.device), keep.int().argmax())
-    target = slots[source].clamp(min=0)
-    pool.index_put_((target,), torch.where(keep[source, None], rows[source].to(pool.dtype), pool[target]))
 
 
 def _compress_meta(

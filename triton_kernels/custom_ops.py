@@ -5,7 +5,7 @@ Each op takes the operator's arguments flattened to tensors and scalars (the dat
 ``QuantWeight``, ``RoutedExperts`` and ``HashTables`` taken apart), runs the public operator (its
 Triton kernel on an NPU or a GPU, its torch reference on the CPU) and has a fake implementation
 that gives the outputs' shapes and dtypes without running it. ``compress`` declares what it writes
-(its states and output rows).
+(its states and output rows), the cache writes ``store_rows`` / ``store_quantized`` their pools.
 
 The functions below are what the model calls. Outside tracing they call the operator directly:
 the dispatcher's round trip costs several microseconds a call, which the CPU path feels; under
@@ -18,12 +18,13 @@ from collections.abc import Sequence
 
 import torch
 
-from triton_kernels import compressor, engram, indexer, mhc, quant, rmsnorm, rope, sparse_attn
+from triton_kernels import compressor, engram, indexer, kv_store, mhc, quant, rmsnorm, rope, sparse_attn
 from triton_kernels import moe_gemm as moe
 from triton_kernels import quant_matmul as qmm
 from triton_kernels.compressor import CompressBatch, CompressorParams, CompressorStates
 from triton_kernels.engram import HashTables
 from triton_kernels.indexer import IndexQueries, KeyPool
+from triton_kernels.kv_store import QuantizedRows
 from triton_kernels.moe_gemm import RoutedExperts
 from triton_kernels.quant_matmul import QuantWeight
 from triton_kernels.sparse_attn import KVPool
@@ -401,6 +402,39 @@ def compress(
         out_scale,
     )  # fmt: skip
     return None
+
+
+# --- cache writes: into their pools --------------------------------------------------------------
+
+
+@_op("store_rows", ("pool",))
+def _store_rows(rows: Tensor, slots: Tensor, pool: Tensor) -> None:
+    kv_store.store_rows(rows, slots, pool)
+
+
+@_store_rows.register_fake
+def _(rows, slots, pool):
+    return None
+
+
+def store_rows(rows: Tensor, slots: Tensor, pool: Tensor) -> None:
+    return _store_rows(rows, slots, pool) if tracing() else kv_store.store_rows(rows, slots, pool)
+
+
+@_op("store_quantized", ("codes", "scale", "rope"))
+def _store_quantized(rows: Tensor, slots: Tensor, codes: Tensor, scale: Tensor, rope: Tensor | None) -> None:
+    kv_store.store_quantized(rows, slots, QuantizedRows(codes, scale, rope))
+
+
+@_store_quantized.register_fake
+def _(rows, slots, codes, scale, rope):
+    return None
+
+
+def store_quantized(rows: Tensor, slots: Tensor, cache: QuantizedRows) -> None:
+    if not tracing():
+        return kv_store.store_quantized(rows, slots, cache)
+    return _store_quantized(rows, slots, cache.codes, cache.scale, cache.rope)
 
 
 # --- int8 quantisation, GEMMs -----------------------------------------------------------------------

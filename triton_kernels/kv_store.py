@@ -1,7 +1,11 @@
-"""Writes KV rows into a quantised paged cache (model-spec §9.4): the window keys, the compressed entries
-and the index keys, each row quantised as it is stored.
+"""Writes KV rows into the paged cache: the window keys, the compressed entries and the index keys, as
+they are (``store_rows``) or each row quantised as it is stored (``store_quantized``, model-spec §9.4).
 
 Contract
+    ``store_rows(rows [M, D] fp32 | bf16, slots [M] int32 | int64, pool [num_slots, D] fp32 | bf16)``
+    writes row ``m``, cast to the pool's dtype, at slot ``slots[m]`` of ``pool`` (``-1``: not written),
+    with no host read (a captured graph holds it whatever the slots are). ``pool`` may be a column range
+    of a wider buffer (any row stride). Slots are distinct among the rows written.
     ``store_quantized(rows [M, D] fp32 | bf16, slots [M] int32 | int64, cache)`` writes row ``m`` at slot
     ``slots[m]`` (``-1``: not written) of ``cache`` (``QuantizedRows``): its first ``N`` channels as codes
     ``codes [num_slots, N]`` (int8, or float8_e4m3fn on devices that have it) with one scale per slot
@@ -13,9 +17,10 @@ Contract
     stride), as the cache's pools are. Slots are distinct among the rows written.
     Limits: ``D <= MAX_DIM``, every tensor under 2**31 elements (int32 offsets).
 
-Kernel
+Kernels
     One task is ``BLOCK // BLOCK_D`` rows (``BLOCK_D``: the row width padded to a power of two): one load
-    of each row, its amax over the NoPE channels, and three scattered stores (codes, scale, RoPE dims).
+    of each row and one scattered store (``store_rows``); or its amax over the NoPE channels, and three
+    scattered stores (codes, scale, RoPE dims).
 """
 
 from __future__ import annotations
@@ -60,14 +65,31 @@ class QuantizedRows:
         return rows.view(*slots.shape, self.width)
 
 
+def store_rows(rows: torch.Tensor, slots: torch.Tensor, pool: torch.Tensor) -> None:
+    _validate_rows(rows, slots)
+    if (
+        pool.dtype not in _ROW_DTYPES
+        or pool.dim() != 2
+        or pool.shape[1] != rows.shape[1]
+        or pool.stride(1) != 1
+    ):
+        raise ValueError(
+            f"pool: {pool.dtype} {tuple(pool.shape)} must be [num_slots, {rows.shape[1]}] of {_ROW_DTYPES}"
+        )
+    _validate_placement(
+        rows, slots, {"slots": slots, "pool": pool}, {"rows": rows, "pool": pool}, pool.shape[0]
+    )
+    run = store_rows_triton if runtime.use_triton(rows) else store_rows_ref
+    run(rows, slots, pool)
+
+
 def store_quantized(rows: torch.Tensor, slots: torch.Tensor, cache: QuantizedRows) -> None:
     _validate(rows, slots, cache)
     run = store_quantized_triton if runtime.use_triton(rows) else store_quantized_ref
     run(rows, slots, cache)
 
 
-def _validate(rows: torch.Tensor, slots: torch.Tensor, cache: QuantizedRows) -> None:
-    codes, scale, rope = cache.codes, cache.scale, cache.rope
+def _validate_rows(rows: torch.Tensor, slots: torch.Tensor) -> None:
     if rows.dtype not in _ROW_DTYPES or rows.dim() != 2 or not 1 <= rows.shape[1] <= MAX_DIM:
         raise ValueError(
             f"rows: {rows.dtype} {tuple(rows.shape)} must be [M, D <= {MAX_DIM}] of {_ROW_DTYPES}"
@@ -76,6 +98,28 @@ def _validate(rows: torch.Tensor, slots: torch.Tensor, cache: QuantizedRows) -> 
         raise ValueError(
             f"slots: {slots.dtype} {tuple(slots.shape)} must be [{rows.shape[0]}] of {_INDEX_DTYPES}"
         )
+
+
+def _validate_placement(
+    rows: torch.Tensor, slots: torch.Tensor, placed: dict, addressed: dict, num_slots: int
+) -> None:
+    """Every tensor in ``placed`` on the rows' device, those ``addressed`` by int32 offsets under the limit,
+    and (with ``DSV4_CHECK_RANGES``) the slots in ``[-1, num_slots)``."""
+    for name, x in placed.items():
+        if x is not None and x.device != rows.device:
+            raise ValueError(f"{name}: device {x.device} differs from rows' device {rows.device}")
+    for name, x in addressed.items():
+        if x is not None and x.shape[0] * x.stride(0) > _MAX_NUMEL:
+            raise ValueError(f"{name}: {x.shape[0] * x.stride(0)} elements exceeds the limit {_MAX_NUMEL}")
+    if runtime.check_ranges() and slots.numel():
+        low, high = (int(v) for v in torch.stack([slots.min(), slots.max()]).tolist())
+        if low < -1 or high >= num_slots:
+            raise ValueError(f"slots: range [{low}, {high}] must lie in [-1, {num_slots}) (cache slots)")
+
+
+def _validate(rows: torch.Tensor, slots: torch.Tensor, cache: QuantizedRows) -> None:
+    codes, scale, rope = cache.codes, cache.scale, cache.rope
+    _validate_rows(rows, slots)
     if codes.dtype not in CODE_DTYPES or codes.dim() != 2 or codes.stride(1) != 1:
         raise ValueError(f"codes: {codes.dtype} {tuple(codes.shape)} must be [num_slots, N] of {CODE_DTYPES}")
     if cache.width != rows.shape[1]:
@@ -88,16 +132,8 @@ def _validate(rows: torch.Tensor, slots: torch.Tensor, cache: QuantizedRows) -> 
         raise ValueError(
             f"rope: {rope.dtype} {tuple(rope.shape)} must be [{codes.shape[0]}, D - N] of {_ROW_DTYPES}"
         )
-    for name, x in (("slots", slots), ("codes", codes), ("scale", scale), ("rope", rope)):
-        if x is not None and x.device != rows.device:
-            raise ValueError(f"{name}: device {x.device} differs from rows' device {rows.device}")
-    for name, x in (("rows", rows), ("codes", codes), ("rope", rope)):
-        if x is not None and x.shape[0] * x.stride(0) > _MAX_NUMEL:
-            raise ValueError(f"{name}: {x.shape[0] * x.stride(0)} elements exceeds the limit {_MAX_NUMEL}")
-    if runtime.check_ranges() and slots.numel():
-        low, high = (int(v) for v in torch.stack([slots.min(), slots.max()]).tolist())
-        if low < -1 or high >= codes.shape[0]:
-            raise ValueError(f"slots: range [{low}, {high}] must lie in [-1, {codes.shape[0]}) (cache slots)")
+    placed = {"slots": slots, "codes": codes, "scale": scale, "rope": rope}
+    _validate_placement(rows, slots, placed, {"rows": rows, "codes": codes, "rope": rope}, codes.shape[0])
 
 
 def quantize_codes_ref(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,6 +144,15 @@ def quantize_codes_ref(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tenso
     return (x.float() / scale.clamp_min(TINY.value)[:, None]).to(dtype), scale
 
 
+def store_rows_ref(rows: torch.Tensor, slots: torch.Tensor, pool: torch.Tensor) -> None:
+    # A row of slot -1 writes the first kept row again (the same value twice), or, when none is kept, the
+    # pool's own row back: an index_put of distinct targets, whatever the slots.
+    keep = slots >= 0
+    source = torch.where(keep, torch.arange(len(slots), device=slots.device), keep.int().argmax())
+    target = slots[source].clamp(min=0)
+    pool.index_put_((target,), torch.where(keep[source, None], rows[source].to(pool.dtype), pool[target]))
+
+
 def store_quantized_ref(rows: torch.Tensor, slots: torch.Tensor, cache: QuantizedRows) -> None:
     keep = slots >= 0
     rows, slots = rows[keep], slots[keep].long()
@@ -116,6 +161,35 @@ def store_quantized_ref(rows: torch.Tensor, slots: torch.Tensor, cache: Quantize
     cache.codes[slots], cache.scale[slots] = codes, scale
     if cache.rope is not None:
         cache.rope[slots] = rows[:, nope:].to(cache.rope.dtype)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _store_rows_kernel(
+    x_ptr, slot_ptr, pool_ptr, M, D, pool_stride, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr
+):
+    ROWS: tl.constexpr = BLOCK // BLOCK_D
+    cols = tl.arange(0, BLOCK_D)
+    for task in range(tl.program_id(0), tl.cdiv(M, ROWS), tl.num_programs(0)):
+        rows = task * ROWS + tl.arange(0, ROWS)
+        slot = tl.load(slot_ptr + rows, mask=rows < M, other=-1)
+        valid = slot.to(tl.float32) >= 0  # the sign, exact in fp32
+        target = tl.where(valid, slot, 0)
+        x = tl.load(x_ptr + rows[:, None] * D + cols[None, :], mask=(rows < M)[:, None] & (cols < D)[None, :],
+                    other=0.0)  # fmt: skip
+        at = pool_ptr + target[:, None] * pool_stride + tl.minimum(cols, D - 1)[None, :]
+        written = valid[:, None] & (cols < D)[None, :]
+        tl.store(at, x.to(pool_ptr.dtype.element_ty), mask=written)  # in-bounds: slot and column clamped
+
+
+def store_rows_triton(rows: torch.Tensor, slots: torch.Tensor, pool: torch.Tensor) -> None:
+    m, d = rows.shape
+    if m == 0:
+        return
+    block_d = triton.next_power_of_2(d)
+    tuned = _rows_tuned
+    tuned[lambda meta: tuned.grid(triton.cdiv(m, meta["BLOCK"] // block_d))](
+        rows.contiguous(), slots.contiguous(), pool, m, d, pool.stride(0), BLOCK_D=block_d
+    )
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -210,4 +284,24 @@ _VARIANTS = (
     Variant({"FP8": 0, "ROPE": 0, "BLOCK_D": 128}, tuple(_signature(x, "*i8") for x in ("*fp32", "*bf16"))),
 )
 _store_tuned = tuning.TunedKernel(_store_quantized_kernel, _CONFIGS, key=["D"], variants=_VARIANTS)
-KERNELS = (_store_tuned,)
+
+
+def _rows_signature(x: str, pool: str) -> dict[str, str]:
+    return {
+        "x_ptr": x,
+        "slot_ptr": "*i32",
+        "pool_ptr": pool,
+        **dict.fromkeys(("M", "D", "pool_stride"), "i32"),
+    }
+
+
+# Per element: the loaded row tile and its copy in the pool's dtype.
+_ROW_CONFIGS = tuple(TuneConfig({"BLOCK": b}, 2 * 4 * b) for b in (MAX_DIM, 2 * MAX_DIM))
+# What Ascend launches: a bf16 cache, written from bf16 rows or from the compressor's fp32 entries; window
+# keys and entries, and index keys.
+_ROW_VARIANTS = tuple(
+    Variant({"BLOCK_D": d}, tuple(_rows_signature(x, "*bf16") for x in ("*bf16", "*fp32")))
+    for d in (512, 128)
+)
+_rows_tuned = tuning.TunedKernel(_store_rows_kernel, _ROW_CONFIGS, key=["D"], variants=_ROW_VARIANTS)
+KERNELS = (_rows_tuned, _store_tuned)

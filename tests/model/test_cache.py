@@ -13,7 +13,6 @@ from model.cache import (
     SeqCache,
     block_layout,
     group_name,
-    store_rows,
 )
 from model.config import ModelConfig
 from model.plan import build_plan
@@ -97,12 +96,3 @@ def test_pools_refuse_a_layout_computed_for_other_groups():
     assert pools.slots_per_block is bf16_layout.slots_per_block
 
 
-@pytest.mark.parametrize("slots", [[2, -1, 0, -1], [-1, -1, -1, -1], [-1, 3, -1, 1]])
-def test_store_rows_skips_slot_minus_one(slots: list[int]) -> None:
-    pool, rows = torch.arange(24.0).view(6, 4), -torch.arange(1.0, 17.0).view(4, 4)
-    want = pool.clone()
-    for row, slot in enumerate(slots):
-        if slot >= 0:
-            want[slot] = rows[row]
-    store_rows(pool, torch.tensor(slots), rows)
-    assert torch.equal(pool, want)

@@ -1,4 +1,5 @@
-"""The quantised cache write (model-spec §9.4): the kernel against the reference, into strided records."""
+"""The cache writes, plain and quantised (model-spec §9.4): the kernels against the references, into
+strided records."""
 
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ from triton_kernels.kv_store import (
     store_quantized,
     store_quantized_ref,
     store_quantized_triton,
+    store_rows,
+    store_rows_ref,
+    store_rows_triton,
 )
 from triton_kernels.quant import quantize_int8_ref
 
@@ -43,6 +47,52 @@ def _slots(m: int) -> torch.Tensor:
     slots = torch.randperm(SLOTS, generator=torch.Generator().manual_seed(1))[:m]
     slots[2] = -1  # not written
     return slots
+
+
+@pytest.mark.parametrize("slots", [[2, -1, 0, -1], [-1, -1, -1, -1], [-1, 3, -1, 1], [5, 4, 3, 2]])
+def test_store_rows_reference_skips_slot_minus_one(slots: list[int]) -> None:
+    pool, rows = torch.arange(24.0).view(6, 4), -torch.arange(1.0, 17.0).view(4, 4)
+    want = pool.clone()
+    for row, slot in enumerate(slots):
+        if slot >= 0:
+            want[slot] = rows[row]
+    store_rows_ref(rows, torch.tensor(slots), pool)
+    assert torch.equal(pool, want)
+
+
+@pytest.mark.parametrize(
+    ("d", "dtype", "pool_dtype", "index_dtype"),
+    [
+        (64, torch.float32, torch.float32, torch.int32),  # tiny V4 window keys, fp32 model
+        (64, torch.bfloat16, torch.bfloat16, torch.int64),
+        (48, torch.float32, torch.bfloat16, torch.int32),  # fp32 compressor entries into a bf16 cache
+        (32, torch.float32, torch.float32, torch.int32),  # index keys
+    ],
+)
+def test_store_rows_kernel_matches_reference(
+    d: int, dtype: torch.dtype, pool_dtype: torch.dtype, index_dtype: torch.dtype
+) -> None:
+    rows, slots = _rows(9, d, dtype).round(), _slots(9).to(index_dtype)  # integers: every cast exact
+    buffer = torch.full((SLOTS, d + 8), float("nan"), dtype=pool_dtype)  # the pool a column range of it
+    got_buffer, want_buffer = buffer.clone(), buffer.clone()
+    store_rows_triton(rows, slots, got_buffer[:, 4 : 4 + d])
+    store_rows_ref(rows, slots, want_buffer[:, 4 : 4 + d])
+    assert torch.equal(got_buffer.isnan(), want_buffer.isnan())
+    assert torch.equal(got_buffer.nan_to_num(), want_buffer.nan_to_num())  # written slots, nothing else
+    assert not want_buffer[slots[slots >= 0], 4 : 4 + d].isnan().any()
+
+
+def test_store_rows_validates(monkeypatch: pytest.MonkeyPatch) -> None:
+    rows, slots, pool = _rows(4, 16, torch.float32), torch.arange(4), torch.zeros(SLOTS, 16)
+    with pytest.raises(ValueError, match=r"pool: torch.float32 \(40, 8\) must be \[num_slots, 16\]"):
+        store_rows(rows, slots, pool[:, :8])
+    with pytest.raises(ValueError, match=r"slots: torch.int64 \(3,\) must be \[4\]"):
+        store_rows(rows, slots[:3], pool)
+    monkeypatch.setenv("DSV4_CHECK_RANGES", "1")
+    with pytest.raises(ValueError, match=r"slots: range \[-2, 2\] must lie in \[-1, 40\)"):
+        store_rows(rows, torch.tensor([0, 1, 2, -2]), pool)
+    store_rows(rows, torch.tensor([0, -1, 2, 39]), pool)
+    assert torch.equal(pool[[0, 2, 39]], rows[[0, 2, 3]]) and not pool[1].any()
 
 
 @pytest.mark.parametrize(
