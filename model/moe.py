@@ -14,6 +14,7 @@ from model.config import ModelConfig
 from model.layers import linear
 from model.plan import LayerPlan
 from model.quant_linear import StackedExperts
+from triton_kernels.custom_ops import route
 
 
 class Expert(nn.Module):
@@ -34,7 +35,8 @@ class Gate(nn.Module):
     def __init__(self, cfg: ModelConfig, plan: LayerPlan, experts: int, top_k: int):
         super().__init__()
         self.top_k, self.temp = top_k, cfg.gate_temp
-        self.scaling, self.normalize = cfg.routed_scaling_factor, cfg.norm_topk_prob
+        # One expert's weight normalised would be 1 whatever its score: the spec normalises from k = 2.
+        self.scaling, self.normalize = cfg.routed_scaling_factor, cfg.norm_topk_prob and top_k > 1
         self.weight = nn.Parameter(torch.empty(experts, cfg.hidden_size))
         if plan.hash_moe:
             self.register_buffer("tid2eid", torch.zeros(cfg.vocab_size, top_k, dtype=torch.int64))
@@ -44,16 +46,9 @@ class Gate(nn.Module):
     def forward(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert indices ``[S, k]`` and their weights ``[S, k]`` (fp32)."""
         logits = F.linear(x.float(), self.weight.float())
-        # Dividing or multiplying by 1.0 is exact: skipping it keeps every bit and saves a launch.
-        scores = torch.sqrt(F.softplus(logits if self.temp == 1.0 else logits / self.temp))
-        if hasattr(self, "tid2eid"):
-            picked = self.tid2eid[ids]
-        else:
-            picked = (scores + self.bias.float()).topk(self.top_k, dim=-1).indices
-        weights = scores.gather(1, picked)
-        if self.normalize:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return picked, weights if self.scaling == 1.0 else weights * self.scaling
+        hashed = self.tid2eid[ids] if hasattr(self, "tid2eid") else None
+        bias = None if hashed is not None else self.bias.float()
+        return route(logits, bias, hashed, self.top_k, self.temp, self.normalize, self.scaling)
 
 
 class MoE(nn.Module):

@@ -18,7 +18,18 @@ from collections.abc import Sequence
 
 import torch
 
-from triton_kernels import compressor, engram, indexer, kv_store, mhc, quant, rmsnorm, rope, sparse_attn
+from triton_kernels import (
+    compressor,
+    engram,
+    indexer,
+    kv_store,
+    mhc,
+    quant,
+    rmsnorm,
+    rope,
+    router,
+    sparse_attn,
+)
 from triton_kernels import moe_gemm as moe
 from triton_kernels import quant_matmul as qmm
 from triton_kernels.compressor import CompressBatch, CompressorParams, CompressorStates
@@ -435,6 +446,41 @@ def store_quantized(rows: Tensor, slots: Tensor, cache: QuantizedRows) -> None:
     if not tracing():
         return kv_store.store_quantized(rows, slots, cache)
     return _store_quantized(rows, slots, cache.codes, cache.scale, cache.rope)
+
+
+# --- MoE routing ----------------------------------------------------------------------------------
+
+
+@_op("route")
+def _route(
+    logits: Tensor,
+    bias: Tensor | None,
+    hashed: Tensor | None,
+    k: int,
+    temp: float,
+    normalize: bool,
+    scaling: float,
+) -> tuple[Tensor, Tensor]:
+    picked, weights = router.route(logits, bias, hashed, k, temp, normalize, scaling)
+    return picked.clone() if hashed is not None else picked, weights  # an op's outputs alias no input
+
+
+@_route.register_fake
+def _(logits, bias, hashed, k, temp, normalize, scaling):
+    return _like(logits, logits.shape[0], k, dtype=torch.int64), _like(logits, logits.shape[0], k)
+
+
+def route(
+    logits: Tensor,
+    bias: Tensor | None,
+    hashed: Tensor | None,
+    k: int,
+    temp: float,
+    normalize: bool,
+    scaling: float,
+) -> tuple[Tensor, Tensor]:
+    op = _route if tracing() else router.route
+    return op(logits, bias, hashed, k, temp, normalize, scaling)
 
 
 # --- int8 quantisation, GEMMs -----------------------------------------------------------------------

@@ -17,6 +17,7 @@ from triton_kernels import (
     quant_matmul,
     rmsnorm,
     rope,
+    router,
     sparse_attn,
     topk,
 )
@@ -36,6 +37,7 @@ OPS: dict[str, ModuleType] = {
         compressor,
         engram,
         quant_matmul,
+        router,
         moe_gemm,
         kv_store,
     )  # fmt: skip
