@@ -14,7 +14,7 @@ from model.config import ModelConfig
 from model.layers import linear
 from model.plan import LayerPlan
 from model.quant_linear import StackedExperts
-from triton_kernels.custom_ops import route
+from triton_kernels.custom_ops import route, swiglu
 
 
 class Expert(nn.Module):
@@ -26,9 +26,7 @@ class Expert(nn.Module):
         self.w1, self.w2, self.w3 = linear(hidden, inter), linear(inter, hidden), linear(hidden, inter)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate = self.w1(x).float().clamp(max=self.limit)
-        up = self.w3(x).float().clamp(-self.limit, self.limit)
-        return self.w2((F.silu(gate) * up).to(x.dtype))
+        return self.w2(swiglu(self.w1(x), self.w3(x), self.limit))
 
 
 class Gate(nn.Module):

@@ -483,6 +483,20 @@ def route(
     return op(logits, bias, hashed, k, temp, normalize, scaling)
 
 
+@_op("swiglu")
+def _swiglu(gate: Tensor, up: Tensor, limit: float | None) -> Tensor:
+    return moe.swiglu(gate, up, limit)
+
+
+@_swiglu.register_fake
+def _(gate, up, limit):
+    return torch.empty_like(gate)
+
+
+def swiglu(gate: Tensor, up: Tensor, limit: float | None) -> Tensor:
+    return _swiglu(gate, up, limit) if tracing() else moe.swiglu(gate, up, limit)
+
+
 # --- int8 quantisation, GEMMs -----------------------------------------------------------------------
 
 

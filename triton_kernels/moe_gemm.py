@@ -65,6 +65,7 @@ from triton_kernels.quant_matmul import (
 from triton_kernels.spec import TuneConfig, Variant
 
 _ID_DTYPES = (torch.int32, torch.int64)
+_SWIGLU_DTYPES = (torch.float32, torch.bfloat16)
 _MAX_INT32 = 2**31 - 1
 
 
@@ -155,9 +156,46 @@ def sort_by_expert_triton(
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
+    """The clamped SwiGLU of one expert's projections (the shared expert's, outside ``moe_gemm``)."""
+    if gate.dtype not in _SWIGLU_DTYPES or up.dtype != gate.dtype or up.shape != gate.shape:
+        raise ValueError(
+            f"gate / up: {gate.dtype} {tuple(gate.shape)} and {up.dtype} {tuple(up.shape)} must be of one"
+            f" shape and one dtype of {_SWIGLU_DTYPES}"
+        )
+    if up.device != gate.device:
+        raise ValueError(f"up: device {up.device} differs from gate's device {gate.device}")
+    if gate.numel() > _MAX_INT32:
+        raise ValueError(f"gate: {gate.numel()} elements exceeds the limit {_MAX_INT32}")
+    return (swiglu_triton if runtime.use_triton(gate) else swiglu_ref)(gate, up, limit)
+
+
+def swiglu_ref(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
+    g, u = gate.float(), up.float()
     if limit is not None:
-        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
-    return torch.nn.functional.silu(gate) * up
+        g, u = g.clamp(max=limit), u.clamp(-limit, limit)
+    return (torch.nn.functional.silu(g) * u).to(gate.dtype)
+
+
+@triton.jit(do_not_specialize=["N"])
+def _swiglu_kernel(gate_ptr, up_ptr, out_ptr, N, limit, CLAMP: tl.constexpr, BLOCK: tl.constexpr):
+    for task in range(tl.program_id(0), tl.cdiv(N, BLOCK), tl.num_programs(0)):
+        at = task * BLOCK + tl.arange(0, BLOCK)
+        g = tl.load(gate_ptr + at, mask=at < N, other=0.0).to(tl.float32)
+        u = tl.load(up_ptr + at, mask=at < N, other=0.0).to(tl.float32)
+        if CLAMP:
+            g, u = tl.minimum(g, limit), tl.minimum(tl.maximum(u, -limit), limit)
+        tl.store(out_ptr + at, (g / (1.0 + tl.exp(-g)) * u).to(out_ptr.dtype.element_ty), mask=at < N)
+
+
+def swiglu_triton(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
+    gate, up = gate.contiguous(), up.contiguous()
+    out, n = torch.empty_like(gate), gate.numel()
+    if n:
+        tuned = _swiglu_tuned
+        tuned[lambda meta: tuned.grid(triton.cdiv(n, meta["BLOCK"]))](
+            gate, up, out, n, 0.0 if limit is None else limit, CLAMP=limit is not None
+        )
+    return out
 
 
 @dataclass(frozen=True)
@@ -256,7 +294,7 @@ def _fp32_experts(rows: torch.Tensor, routing: ExpertRouting, experts: RoutedExp
     def grouped(a: torch.Tensor, w: QuantWeight) -> torch.Tensor:
         return torch._grouped_mm(a, w.data.transpose(1, 2), offs=ends)
 
-    h = swiglu(grouped(rows, experts.w1), grouped(rows, experts.w3), experts.swiglu_limit)
+    h = swiglu_ref(grouped(rows, experts.w1), grouped(rows, experts.w3), experts.swiglu_limit)
     # The grouped GEMM leaves the rows past the last expert's (dropped choices) unwritten.
     kept = torch.arange(rows.shape[0], device=rows.device) < ends[-1]
     return torch.where(kept[:, None], grouped(h, experts.w2), 0.0)
@@ -272,7 +310,7 @@ def _decoded_experts(rows: torch.Tensor, routing: ExpertRouting, experts: Routed
             continue
         xe = rows[lo:hi]
         gate, up = quant_matmul_ref(xe, experts.w1.expert(e)), quant_matmul_ref(xe, experts.w3.expert(e))
-        y[lo:hi] = quant_matmul_ref(swiglu(gate, up, experts.swiglu_limit), experts.w2.expert(e))
+        y[lo:hi] = quant_matmul_ref(swiglu_ref(gate, up, experts.swiglu_limit), experts.w2.expert(e))
     return y
 
 
@@ -511,4 +549,17 @@ _route_tuned = tuning.TunedKernel(
     name="route",
     variants=(Variant({"E_PAD": _ROUTE_MAX_E_PAD}, (_route_signature("*i32"), _route_signature("*i64"))),),
 )
-KERNELS = (_route_tuned, _gate_up_tuned, _down_tuned)
+
+
+def _swiglu_signature(x: str) -> dict[str, str]:
+    return {"gate_ptr": x, "up_ptr": x, "out_ptr": x, "N": "i32", "limit": "fp32"}
+
+
+# Per element: both inputs as loaded, their fp32 copies and the product.
+_swiglu_tuned = tuning.TunedKernel(
+    _swiglu_kernel,
+    tuple(TuneConfig({"BLOCK": b}, 5 * 4 * b) for b in (1024, 2048)),
+    key=["N"],
+    variants=(Variant({"CLAMP": 1}, (_swiglu_signature("*bf16"), _swiglu_signature("*fp32"))),),
+)
+KERNELS = (_route_tuned, _gate_up_tuned, _down_tuned, _swiglu_tuned)

@@ -15,6 +15,9 @@ from triton_kernels.moe_gemm import (
     moe_gemm_triton,
     sort_by_expert,
     sort_by_expert_triton,
+    swiglu,
+    swiglu_ref,
+    swiglu_triton,
 )
 from triton_kernels.quant import dequantize_int8, quantize_int8_ref
 from triton_kernels.quant_matmul import QuantWeight, dense_weight
@@ -242,3 +245,28 @@ def test_call_validation(call: dict[str, object], match: str) -> None:
     args = {"x": _x(4), "topk_ids": ids, "topk_weights": weights, "experts": _experts("mxfp4")}
     with pytest.raises(ValueError, match=match):
         moe_gemm.moe_gemm(**{**args, **call})
+
+
+@pytest.mark.parametrize(
+    ("dtype", "limit"), [(torch.float32, 0.5), (torch.bfloat16, 0.5), (torch.float32, None)]
+)
+def test_swiglu_kernel_matches_reference(dtype: torch.dtype, limit: float | None) -> None:
+    """The shared expert's SwiGLU: fp32 maths, one rounding to the projections' dtype; 1500 values span
+    several tiles and a partial one."""
+    gen = torch.Generator().manual_seed(4)
+    gate, up = (torch.randn(5, 300, generator=gen).to(dtype) for _ in range(2))
+    got, want = swiglu_triton(gate, up, limit), swiglu_ref(gate, up, limit)
+    assert got.dtype == dtype
+    if limit is not None:
+        assert want.float().abs().max() <= limit * limit  # the clamps cut some values
+    torch.testing.assert_close(
+        got.float(), want.float(), rtol=2e-6 if dtype == torch.float32 else 2**-7, atol=0
+    )
+
+
+def test_swiglu_validates() -> None:
+    gate = torch.zeros(2, 4)
+    with pytest.raises(ValueError, match=r"gate / up: torch.float32 \(2, 4\) and torch.bfloat16 \(2, 4\)"):
+        swiglu(gate, gate.bfloat16(), 1.0)
+    with pytest.raises(ValueError, match=r"and torch.float32 \(2, 3\) must be of one shape"):
+        swiglu(gate, gate[:, :3], 1.0)
