@@ -21,7 +21,6 @@ from triton_kernels.custom_ops import (
     indexer_logits,
     indexer_topk,
     quantize_int8,
-    rms_norm,
     sparse_attention,
 )
 from triton_kernels.indexer import IndexQueries, KeyPool
@@ -109,10 +108,8 @@ class SharedKVAttention(nn.Module):
         """``q_r [T, q_r]`` (also the indexer's input), rotated queries ``[T, H, d]`` and keys ``[T, d]``."""
         q_r = self.q_norm(self.wq_a(x))
         q = self.wq_b(q_r).view(x.shape[0], self.heads, self.head_dim)
-        if self.head_norm:
-            q = rms_norm(q, None, self.eps)
-        q = apply_rope(q, positions, inv_freq)
-        return q_r, q, apply_rope(self.kv_norm(self.wkv(x)), positions, inv_freq)
+        q = apply_rope(q, positions, inv_freq, norm_eps=self.eps if self.head_norm else None)
+        return q_r, q, self.kv_norm.rotated(self.wkv(x), positions, inv_freq)
 
     def window_keys(self, kv: torch.Tensor, batch: Batch) -> KVPool:
         """Store the tokens' window keys; each token reads the W newest positions of its request."""

@@ -51,7 +51,7 @@ class Indexer41(nn.Module):
 
     def keys(self, latent: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
         # The compressor's latents are fp32 whatever the compute dtype.
-        return apply_rope(self.k_norm(self.wk(latent.to(self.wk.weight.dtype))), positions, inv_freq)
+        return self.k_norm.rotated(self.wk(latent.to(self.wk.weight.dtype)), positions, inv_freq)
 
     def queries(
         self, x: torch.Tensor, q_r: torch.Tensor, batch: Batch, inv_freq: torch.Tensor

@@ -25,7 +25,7 @@ from model.block import HcHead, MhcBlock, one_hot_premix
 from model.config import ModelConfig
 from model.layers import RMSNorm, linear
 from model.plan import LayerPlan
-from triton_kernels.custom_ops import apply_rope, hc_collapse, hc_update
+from triton_kernels.custom_ops import hc_collapse, hc_update
 from triton_kernels.sparse_attn import KVPool
 
 
@@ -76,7 +76,7 @@ class DSparkStage(MhcBlock):
     def context_keys(
         self, main_x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor
     ) -> torch.Tensor:
-        return apply_rope(self.attn.kv_norm(self.attn.wkv(main_x)), positions, inv_freq)
+        return self.attn.kv_norm.rotated(self.attn.wkv(main_x), positions, inv_freq)
 
     def forward(
         self,

@@ -77,19 +77,32 @@ def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
 
 
 @_op("apply_rope")
-def _apply_rope(x: Tensor, positions: Tensor, inv_freq: Tensor, inverse: bool) -> Tensor:
-    return rope.apply_rope(x, positions, inv_freq, inverse)
+def _apply_rope(
+    x: Tensor,
+    positions: Tensor,
+    inv_freq: Tensor,
+    inverse: bool,
+    norm_eps: float | None,
+    norm_weight: Tensor | None,
+) -> Tensor:
+    return rope.apply_rope(x, positions, inv_freq, inverse, norm_eps, norm_weight)
 
 
 @_apply_rope.register_fake
-def _(x, positions, inv_freq, inverse):
+def _(x, positions, inv_freq, inverse, norm_eps, norm_weight):
     return torch.empty_like(x)
 
 
-def apply_rope(x: Tensor, positions: Tensor, inv_freq: Tensor, inverse: bool = False) -> Tensor:
-    if tracing():
-        return _apply_rope(x, positions, inv_freq, inverse)
-    return rope.apply_rope(x, positions, inv_freq, inverse)
+def apply_rope(
+    x: Tensor,
+    positions: Tensor,
+    inv_freq: Tensor,
+    inverse: bool = False,
+    norm_eps: float | None = None,
+    norm_weight: Tensor | None = None,
+) -> Tensor:
+    op = _apply_rope if tracing() else rope.apply_rope
+    return op(x, positions, inv_freq, inverse, norm_eps, norm_weight)
 
 
 @_op("hc_coeffs")

@@ -27,13 +27,14 @@ _MAX_NUMEL = 2**31 - 1  # offsets are int32 inside the kernel
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    _validate(x, weight, eps)
+    validate_norm(x, weight, eps)
     if runtime.use_triton(x):
         return rms_norm_triton(x, weight, eps)
     return rms_norm_ref(x, weight, eps)
 
 
-def _validate(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> None:
+def validate_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> None:
+    """``rms_norm``'s checks of its arguments (also those of a norm fused into another op)."""
     if x.dtype not in _DTYPES:
         raise ValueError(f"x: dtype {x.dtype} not supported, expected one of {_DTYPES}")
     if x.dim() < 1 or x.shape[-1] < 1:

@@ -8,7 +8,9 @@ Contract
     ``apply_rope(x [T, D] | [T, H, D], positions [T] int32/int64, inv_freq [P] fp32, inverse) -> like x``:
     only the last ``2P`` channels rotate; pair ``(2i, 2i+1)`` of that slice is turned by
     ``positions[t] * inv_freq[i]`` (fp32, as transformers computes it), or by minus that angle with
-    ``inverse=True`` (the attention output). The leading NoPE channels are copied unchanged.
+    ``inverse=True`` (the attention output). The leading NoPE channels are copied unchanged. With
+    ``norm_eps``, ``x`` is first RMS-normalised over its last dim, weighted by ``norm_weight`` when given
+    (``rmsnorm``'s contract: fp32, rounded once to the dtype of ``x``), as the keys and V4's queries are.
     Positions are not range-checked (that would synchronise the device); the fp32 angle follows
     transformers exactly for positions below 2**24. cos/sin stay fp32 for bf16 input too, where
     transformers rounds them to bf16 first. The reference computes the cos/sin of a (positions,
@@ -17,7 +19,8 @@ Contract
 Kernel
     One task is ``BLOCK_R`` (token, head) rows: the NoPE part is copied in ``BLOCK_D`` sub-tiles, the
     rope part is read as one contiguous tile, split into its even and odd channels on chip and rotated
-    in fp32 (no strided loads: Ascend moves contiguous rows only at full speed).
+    in fp32 (no strided loads: Ascend moves contiguous rows only at full speed). A norm first sweeps the
+    NoPE sub-tiles for the sum of squares, then scales each sub-tile as it is copied.
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ import triton.language as tl
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from triton_kernels import runtime, tuning
-from triton_kernels.shared import rotate_pairs
+from triton_kernels.rmsnorm import rms_norm_ref, validate_norm
+from triton_kernels.shared import rms_factor, rotate_pairs
 from triton_kernels.spec import TuneConfig, Variant
 
 _DTYPES = (torch.float32, torch.bfloat16)
@@ -75,12 +79,20 @@ def rope_inv_freq(rope_dim: int, theta: float, yarn: YarnScaling | None = None) 
 
 
 def apply_rope(
-    x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    inverse: bool = False,
+    norm_eps: float | None = None,
+    norm_weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
     _validate(x, positions, inv_freq)
-    if runtime.use_triton(x):
-        return apply_rope_triton(x, positions, inv_freq, inverse)
-    return apply_rope_ref(x, positions, inv_freq, inverse)
+    if norm_eps is not None:
+        validate_norm(x, norm_weight, norm_eps)
+    elif norm_weight is not None:
+        raise ValueError("norm_weight: given without norm_eps")
+    run = apply_rope_triton if runtime.use_triton(x) else apply_rope_ref
+    return run(x, positions, inv_freq, inverse, norm_eps, norm_weight)
 
 
 def _validate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> None:
@@ -108,8 +120,15 @@ def _validate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) 
 
 
 def apply_rope_ref(
-    x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    inverse: bool = False,
+    norm_eps: float | None = None,
+    norm_weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    if norm_eps is not None:
+        x = rms_norm_ref(x, norm_weight, norm_eps)
     cos, sin = _angles(positions, inv_freq)
     if x.dim() == 3:
         cos, sin = cos[:, None], sin[:, None]
@@ -149,6 +168,7 @@ def _rope_kernel(
     x_ptr,
     pos_ptr,
     freq_ptr,
+    w_ptr,
     out_ptr,
     R,
     H,
@@ -157,6 +177,9 @@ def _rope_kernel(
     stride_x,
     stride_out,
     sign,
+    eps,
+    NORM: tl.constexpr,
+    WEIGHTED: tl.constexpr,
     HALF: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -171,24 +194,47 @@ def _rope_kernel(
         row_ok = rows < R
         src = x_ptr + rows[:, None] * stride_x
         dst = out_ptr + rows[:, None] * stride_out
+        # The rope channels as one contiguous [rows, 2 * HALF] tile, split into its pairs on chip.
+        rope_cols = nope + tl.arange(0, 2 * HALF)
+        rope_mask = row_ok[:, None] & (rope_cols[None, :] < D)
+        x = tl.load(src + rope_cols[None, :], mask=rope_mask, other=0.0).to(tl.float32)
+        if NORM:
+            sum_sq = tl.sum(x * x, axis=1)
+            for d0 in range(0, nope, BLOCK_D):
+                cols = d0 + tl.arange(0, BLOCK_D)
+                xv = tl.load(src + cols[None, :], mask=row_ok[:, None] & (cols[None, :] < nope), other=0.0)
+                sum_sq += tl.sum(xv.to(tl.float32) * xv.to(tl.float32), axis=1)
+            rstd = rms_factor(sum_sq, D, eps)
+            x = x * rstd[:, None]
+            if WEIGHTED:
+                x = x * tl.load(w_ptr + rope_cols, mask=rope_cols < D, other=0.0)[None, :]
+            x = x.to(out_ptr.dtype.element_ty).to(tl.float32)  # the norm's output, as the model rounds it
         for d0 in range(0, nope, BLOCK_D):
             cols = d0 + tl.arange(0, BLOCK_D)
             mask = row_ok[:, None] & (cols[None, :] < nope)
-            tl.store(dst + cols[None, :], tl.load(src + cols[None, :], mask=mask), mask=mask)
+            xv = tl.load(src + cols[None, :], mask=mask)
+            if NORM:
+                xv = xv.to(tl.float32) * rstd[:, None]
+                if WEIGHTED:
+                    xv = xv * tl.load(w_ptr + cols, mask=cols < nope, other=0.0)[None, :]
+            tl.store(dst + cols[None, :], xv.to(out_ptr.dtype.element_ty), mask=mask)
         pos = tl.load(pos_ptr + rows // H, mask=row_ok, other=0).to(tl.float32)
         angle = pos[:, None] * freq[None, :]
         cos = tl.cos(angle)
         sin = tl.sin(angle) * sign
-        # The rope channels as one contiguous [rows, 2 * HALF] tile, split into its pairs on chip.
-        cols = nope + tl.arange(0, 2 * HALF)
-        mask = row_ok[:, None] & (cols[None, :] < D)
-        x = tl.load(src + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        cols = rope_cols
+        mask = rope_mask
         y = rotate_pairs(x, cos, sin)
         tl.store(dst + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def apply_rope_triton(
-    x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    inverse: bool = False,
+    norm_eps: float | None = None,
+    norm_weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
     heads, d, p = (x.shape[1] if x.dim() == 3 else 1), x.shape[-1], inv_freq.numel()
     x2 = x.reshape(-1, d)
@@ -201,6 +247,7 @@ def apply_rope_triton(
             x2,
             positions.contiguous(),
             inv_freq.contiguous(),
+            x2 if norm_weight is None else norm_weight,  # read only when weighted
             out,
             rows,
             heads,
@@ -209,6 +256,9 @@ def apply_rope_triton(
             x2.stride(0),
             d,
             -1.0 if inverse else 1.0,
+            1.0 if norm_eps is None else norm_eps,
+            NORM=norm_eps is not None,
+            WEIGHTED=norm_weight is not None,
             HALF=triton.next_power_of_2(p),
         )
     return out.view(x.shape)
@@ -229,6 +279,7 @@ def rotate_rope_channels_triton(
         rope,
         positions.contiguous(),
         inv_freq.contiguous(),
+        rope,  # never read: no norm
         rope,
         rows,
         heads,
@@ -237,6 +288,9 @@ def rotate_rope_channels_triton(
         d,
         d,
         -1.0 if inverse else 1.0,
+        1.0,
+        NORM=False,
+        WEIGHTED=False,
         HALF=triton.next_power_of_2(p),
     )
 
@@ -245,29 +299,39 @@ _HALF = 32  # rope_dim 64 in every release
 
 
 def _ub_bytes(block_r: int, block_d: int) -> int:
-    # The copied NoPE tile, then angle, cos, sin, two inputs and two outputs per rope pair.
-    return 4 * (block_r * block_d + 7 * block_r * _HALF + _HALF)
+    # The copied NoPE tile with its fp32 copy, the squares and the weight tile, then angle, cos, sin, two
+    # inputs and two outputs per rope pair, and per row its position, sum of squares and factor.
+    return 4 * (3 * block_r * block_d + block_d + 7 * block_r * _HALF + 3 * _HALF + 4 * block_r)
 
 
 _CONFIGS = tuple(
     TuneConfig({"BLOCK_R": br, "BLOCK_D": bd}, _ub_bytes(br, bd))
-    for br, bd in ((4, 512), (16, 512), (64, 128))
+    for br, bd in ((4, 512), (8, 256), (16, 128))
 )
 
 
-def _signature(x: str, pos: str) -> dict[str, str]:
+def _signature(x: str, pos: str, w: str) -> dict[str, str]:
     ints = dict.fromkeys(("R", "H", "D", "P", "stride_x", "stride_out"), "i32")
-    return {"x_ptr": x, "pos_ptr": pos, "freq_ptr": "*fp32", "out_ptr": x, **ints, "sign": "fp32"}
+    pointers = {"x_ptr": x, "pos_ptr": pos, "freq_ptr": "*fp32", "w_ptr": w, "out_ptr": x}
+    return {**pointers, **ints, "sign": "fp32", "eps": "fp32"}
 
 
 _rope_tuned = tuning.TunedKernel(
     _rope_kernel,
     _CONFIGS,
     key=["D", "HALF"],
-    variants=(
+    # Plain (queries of V4.1 and the indexers, the output's de-rotation), after V4's unweighted head norm,
+    # after the keys' weighted norm.
+    variants=tuple(
         Variant(
-            {"HALF": _HALF}, tuple(_signature(x, pos) for x in ("*fp32", "*bf16") for pos in ("*i64", "*i32"))
-        ),
+            {"NORM": norm, "WEIGHTED": weighted, "HALF": _HALF},
+            tuple(
+                _signature(x, pos, "*fp32" if weighted else x)
+                for x in ("*fp32", "*bf16")
+                for pos in ("*i64", "*i32")
+            ),
+        )
+        for norm, weighted in ((0, 0), (1, 0), (1, 1))
     ),
     never_one=("D",),  # 2P <= D with P >= 1; the adapter crashes on D = P = 1
 )

@@ -14,6 +14,7 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
 
 from model.config import Yarn
 from triton_kernels import rope, runtime
+from triton_kernels.rmsnorm import rms_norm_ref
 from triton_kernels.rope import apply_rope, apply_rope_ref, apply_rope_triton, rope_inv_freq
 
 TOY_YARN = Yarn(factor=16, original_max_position_embeddings=65536, beta_fast=32, beta_slow=1)
@@ -104,6 +105,36 @@ def test_kernel_matches_reference(shape: tuple[int, ...], pairs: int, dtype: tor
         out = apply_rope_triton(x, positions, inv_freq, inverse)
         assert out.shape == x.shape and out.dtype == dtype
         torch.testing.assert_close(out, apply_rope_ref(x, positions, inv_freq, inverse))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("weighted", [False, True], ids=["head-norm", "key-norm"])
+@pytest.mark.parametrize(
+    ("shape", "pairs"), [((7, 64), 8), ((5, 3, 600), 32), ((4, 2, 16), 8)], ids=["2d", "3d-wide", "rope-only"]
+)
+def test_norm_then_rope_matches_the_two_references(
+    shape: tuple[int, ...], pairs: int, weighted: bool, dtype: torch.dtype
+) -> None:
+    """The fused norm: the norm's output rounded to the dtype of x, then rotated; a row wider than a
+    NoPE sub-tile (600) sums its squares over several."""
+    x, positions = _x(shape, dtype) * 3, _positions(shape[0])
+    inv_freq = rope_inv_freq(2 * pairs, 10000.0)
+    weight = torch.rand(shape[-1], generator=torch.Generator().manual_seed(3)) + 0.5 if weighted else None
+    out = apply_rope_triton(x, positions, inv_freq, False, 1e-6, weight)
+    normed = rms_norm_ref(x, weight, 1e-6)
+    want = apply_rope_ref(normed, positions, inv_freq)
+    assert torch.equal(apply_rope_ref(x, positions, inv_freq, False, 1e-6, weight), want)
+    # fp32: the sums of squares in another order. bf16 rounds twice (the norm's output, the rotation), and
+    # the interpreter truncates where devices round to nearest: up to two bf16 ulps apart.
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2**-6, "atol": 2**-6}
+    torch.testing.assert_close(out.float(), want.float(), **tol)
+
+
+def test_norm_weight_needs_eps() -> None:
+    with pytest.raises(ValueError, match="norm_weight: given without norm_eps"):
+        apply_rope(_x((2, 16)), _positions(2), torch.ones(4), norm_weight=torch.ones(16))
+    with pytest.raises(ValueError, match=r"weight: shape \(8,\) must be \(16,\)"):
+        apply_rope(_x((2, 16)), _positions(2), torch.ones(4), norm_eps=1e-6, norm_weight=torch.ones(8))
 
 
 @settings(max_examples=10, deadline=None)
