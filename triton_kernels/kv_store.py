@@ -163,6 +163,18 @@ def store_quantized_ref(rows: torch.Tensor, slots: torch.Tensor, cache: Quantize
         cache.rope[slots] = rows[:, nope:].to(cache.rope.dtype)
 
 
+@triton.jit
+def _task_rows(x_ptr, slot_ptr, rows, cols, M, D):
+    """Which of ``rows`` are written (slot >= 0), their slots (0 where not), and their ``[rows, cols]``
+    tile of ``x [M, D]`` as stored (0 past its end)."""
+    slot = tl.load(slot_ptr + rows, mask=rows < M, other=-1)
+    valid = slot.to(tl.float32) >= 0  # the sign, exact in fp32
+    x = tl.load(
+        x_ptr + rows[:, None] * D + cols[None, :], mask=(rows < M)[:, None] & (cols < D)[None, :], other=0.0
+    )
+    return valid, tl.where(valid, slot, 0), x
+
+
 @triton.jit(do_not_specialize=["M"])
 def _store_rows_kernel(
     x_ptr, slot_ptr, pool_ptr, M, D, pool_stride, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr
@@ -170,12 +182,7 @@ def _store_rows_kernel(
     ROWS: tl.constexpr = BLOCK // BLOCK_D
     cols = tl.arange(0, BLOCK_D)
     for task in range(tl.program_id(0), tl.cdiv(M, ROWS), tl.num_programs(0)):
-        rows = task * ROWS + tl.arange(0, ROWS)
-        slot = tl.load(slot_ptr + rows, mask=rows < M, other=-1)
-        valid = slot.to(tl.float32) >= 0  # the sign, exact in fp32
-        target = tl.where(valid, slot, 0)
-        x = tl.load(x_ptr + rows[:, None] * D + cols[None, :], mask=(rows < M)[:, None] & (cols < D)[None, :],
-                    other=0.0)  # fmt: skip
+        valid, target, x = _task_rows(x_ptr, slot_ptr, task * ROWS + tl.arange(0, ROWS), cols, M, D)
         at = pool_ptr + target[:, None] * pool_stride + tl.minimum(cols, D - 1)[None, :]
         written = valid[:, None] & (cols < D)[None, :]
         tl.store(at, x.to(pool_ptr.dtype.element_ty), mask=written)  # in-bounds: slot and column clamped
@@ -213,13 +220,9 @@ def _store_quantized_kernel(
     ROWS: tl.constexpr = BLOCK // BLOCK_D
     cols = tl.arange(0, BLOCK_D)
     for task in range(tl.program_id(0), tl.cdiv(M, ROWS), tl.num_programs(0)):
-        rows = task * ROWS + tl.arange(0, ROWS)
-        slot = tl.load(slot_ptr + rows, mask=rows < M, other=-1)
-        valid = slot.to(tl.float32) >= 0  # the sign, exact in fp32
-        target = tl.where(valid, slot, 0)
+        valid, target, x = _task_rows(x_ptr, slot_ptr, task * ROWS + tl.arange(0, ROWS), cols, M, D)
+        x = x.to(tl.float32)
         nope = valid[:, None] & (cols < N)[None, :]
-        x = tl.load(x_ptr + rows[:, None] * D + cols[None, :], mask=(rows < M)[:, None] & (cols < D)[None, :],
-                    other=0.0).to(tl.float32)  # fmt: skip
         if FP8:
             scale = tl.max(tl.where(nope, tl.abs(x), 0.0), axis=1) / 448.0
             codes = (x / tl.maximum(scale, TINY)[:, None]).to(codes_ptr.dtype.element_ty)

@@ -320,18 +320,20 @@ _rope_tuned = tuning.TunedKernel(
     _rope_kernel,
     _CONFIGS,
     key=["D", "HALF"],
-    # Plain (queries of V4.1 and the indexers, the output's de-rotation), after V4's unweighted head norm,
-    # after the keys' weighted norm.
-    variants=tuple(
+    # Plain (queries of V4.1 and the indexers, the output's de-rotation: positions of either dtype), after
+    # V4's unweighted head norm, after the keys' weighted norm (the step's positions).
+    variants=(
         Variant(
-            {"NORM": norm, "WEIGHTED": weighted, "HALF": _HALF},
-            tuple(
-                _signature(x, pos, "*fp32" if weighted else x)
-                for x in ("*fp32", "*bf16")
-                for pos in ("*i64", "*i32")
-            ),
-        )
-        for norm, weighted in ((0, 0), (1, 0), (1, 1))
+            {"NORM": 0, "WEIGHTED": 0, "HALF": _HALF},
+            tuple(_signature(x, pos, x) for x in ("*fp32", "*bf16") for pos in ("*i64", "*i32")),
+        ),
+        *(
+            Variant(
+                {"NORM": 1, "WEIGHTED": weighted, "HALF": _HALF},
+                tuple(_signature(x, "*i64", "*fp32" if weighted else x) for x in ("*fp32", "*bf16")),
+            )
+            for weighted in (0, 1)
+        ),
     ),
     never_one=("D",),  # 2P <= D with P >= 1; the adapter crashes on D = P = 1
 )

@@ -3,7 +3,8 @@
 ``quant_matmul``: the query down-projection ``wq_a`` ``[q_lora_rank, hidden]`` as FP8 with the model's
 block (128 for V4, 32 for V4.1 when the config names none) and as W8A8, and one routed expert's ``w1``
 ``[moe_intermediate_size, hidden]`` as MXFP4. ``moe_gemm``: the phase's tokens over all routed experts
-(MXFP4, W8A8 and W4A8), each choosing ``num_experts_per_tok`` distinct experts at random. Traffic:
+(MXFP4, W8A8 and W4A8), each choosing ``num_experts_per_tok`` distinct experts at random, and the shared
+expert's SwiGLU over the phase's tokens. Traffic:
 activations, the packed bytes and exponents of every weight read (for the MoE, of the experts chosen),
 outputs once;
 FLOPs ``2·T·N·K`` per GEMM (three per chosen expert).
@@ -112,4 +113,16 @@ def moe_gemm_cases(cfg: ModelConfig, phase: Phase, dev: torch.device, dtype: tor
                 int8=fmt in quant_matmul.INTEGER_FORMATS,
             )
         )
+    gate, up = (torch.randn(phase.total, inter, generator=gen, device=dev).to(dtype) for _ in range(2))
+    limit = cfg.swiglu_limit
+    cases.append(
+        Case(
+            "moe_gemm",
+            "shared expert swiglu",
+            phase,
+            lambda: moe_gemm.swiglu_ref(gate, up, limit),
+            lambda: moe_gemm.swiglu_triton(gate, up, limit),
+            3 * elements_bytes(gate),
+        )
+    )
     return cases
