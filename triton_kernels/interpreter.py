@@ -1,12 +1,18 @@
-"""An exact numpy fast path for the Triton interpreter (``TRITON_INTERPRET=1``), where CPUs run our kernels.
+"""Exact fast paths for the Triton interpreter (``TRITON_INTERPRET=1``), where CPUs run our kernels.
 
-The interpreter reduces with numpy when it knows the combine function (sum, min, max, argmin, argmax)
-and otherwise one element at a time in Python. ``tl.sort`` is a bitonic network whose every
-compare-and-swap XOR-reduces over one axis to find each lane's partner, so one sort of 512 lanes took
-seconds: about 85 % of the interpreted time of the top-k and indexer kernels (their compaction sorts
-lane ids), in the kernel tests, the whole-model interpreter tests and the autotuner's dry run.
-``install`` gives the XOR reduction numpy's ``bitwise_xor.reduce``, the same integers. Nothing a device
-compiles changes, and where an interpreter lacks the hooks (another triton) it does nothing.
+XOR reductions. The interpreter reduces with numpy when it knows the combine function (sum, min, max,
+argmin, argmax) and otherwise one element at a time in Python. ``tl.sort`` is a bitonic network whose
+every compare-and-swap XOR-reduces over one axis to find each lane's partner, so one sort of 512 lanes
+took seconds: about 85 % of the interpreted time of the top-k and indexer kernels (their compaction
+sorts lane ids). The fast path gives the XOR reduction numpy's ``bitwise_xor.reduce``, the same integers.
+
+Helper calls. A launch replaces every builtin of ``triton.language`` by its interpreted form for the
+launch's duration; each call of a ``@triton.jit`` helper inside it did that again, walking the modules'
+members (about 1.6 ms a call, over a third of an interpreted indexer test), and found nothing left to
+replace. The fast path skips the walk when every language module the helper sees is already replaced.
+
+Nothing a device compiles changes, and where an interpreter lacks the hooks (another triton) ``install``
+does nothing.
 """
 
 from __future__ import annotations
@@ -17,7 +23,11 @@ from triton.runtime import interpreter
 
 
 def install() -> bool:
-    """Install the fast path (idempotent); whether the interpreter now has it."""
+    """Install the fast paths (idempotent); whether the interpreter now has them."""
+    return _install_xor() and _install_helper_calls()
+
+
+def _install_xor() -> bool:
     ops = getattr(interpreter, "ReduceOps", None)
     xor = getattr(tl.standard, "_xor_combine", None)
     if ops is None or xor is None or not hasattr(ops, "apply_impl") or not hasattr(ops, "to_tensor"):
@@ -34,4 +44,26 @@ def install() -> bool:
         return self.to_tensor(reduced, x.dtype)
 
     ops.apply_impl, ops.xor_in_numpy = apply_impl, True
+    return True
+
+
+def _install_helper_calls() -> bool:
+    function = getattr(interpreter, "InterpretedFunction", None)
+    patch = getattr(interpreter, "_patch_lang", None)
+    if function is None or patch is None or not hasattr(function, "rewrite"):
+        return False
+    if getattr(function, "helper_calls_unpatched", False):
+        return True
+
+    def call(self, *args, **kwargs):  # noqa: ANN001, ANN202 (the interpreter's own signature)
+        languages = [v for v in self.fn.__globals__.values() if v is tl or v is tl.core]
+        if not languages or any(tl.core.is_builtin(language.load) for language in languages):
+            patch(self.fn)  # not inside a launch that replaced them (or no language visible: its error)
+        fn = self.rewrite()
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            raise interpreter.InterpreterError(repr(e)) from e
+
+    function.__call__, function.helper_calls_unpatched = call, True
     return True

@@ -1,10 +1,13 @@
-"""The numpy XOR reduction of the interpreter (``triton_kernels.interpreter``) computes what tl does."""
+"""The interpreter's fast paths (``triton_kernels.interpreter``): the numpy XOR reduction computes what tl
+does, and helper calls inside a launch compute as before without walking the language again."""
 
 from __future__ import annotations
 
 import functools
+import inspect
 import operator
 
+import pytest
 import torch
 import triton
 import triton.language as tl
@@ -21,6 +24,23 @@ def _xor_rows_kernel(x_ptr, out_ptr, N: tl.constexpr, M: tl.constexpr):
 @triton.jit
 def _sort_kernel(x_ptr, out_ptr, N: tl.constexpr):
     tl.store(out_ptr + tl.arange(0, N), tl.sort(tl.load(x_ptr + tl.arange(0, N))))
+
+
+@triton.jit
+def _twice(x):
+    return x * 2
+
+
+@triton.jit
+def _helper_kernel(x_ptr, out_ptr, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(out_ptr + offs, _twice(_twice(tl.load(x_ptr + offs))))
+
+
+@triton.jit
+def _plain_kernel(x_ptr, out_ptr, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(out_ptr + offs, tl.load(x_ptr + offs) * 4)
 
 
 def test_the_test_session_interprets_with_the_fast_path() -> None:
@@ -42,3 +62,16 @@ def test_sort_equals_torch_sort_with_ties_and_infinities() -> None:
     out = torch.empty_like(x)
     _sort_kernel[(1,)](x, out, N=512)
     assert torch.equal(out, torch.sort(x).values)
+
+
+def test_helper_calls_compute_without_walking_the_language_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    walks = []
+    members = inspect.getmembers
+    monkeypatch.setattr(inspect, "getmembers", lambda *a: walks.append(a[0]) or members(*a))
+    x, outs = torch.arange(8.0), [torch.empty(8), torch.empty(8)]
+    _plain_kernel[(1,)](x, outs[0], N=8)
+    plain = len(walks)
+    _helper_kernel[(1,)](x, outs[1], N=8)
+    assert torch.equal(outs[0], x * 4) and torch.equal(outs[1], x * 4)
+    assert plain > 0 and len(walks) == 2 * plain  # the launch's own walk only, not one per helper call
+    assert tl.core.is_builtin(tl.load)  # the launch put the language back
