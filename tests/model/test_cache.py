@@ -94,5 +94,3 @@ def test_pools_refuse_a_layout_computed_for_other_groups():
         KVPools(cfg, bf16_layout, 2, torch.float32, torch.device("cpu"))
     pools = KVPools(cfg, bf16_layout, 2, torch.bfloat16, torch.device("cpu"))
     assert pools.slots_per_block is bf16_layout.slots_per_block
-
-
