@@ -471,9 +471,16 @@ def _operands(queries: IndexQueries, pool: KeyPool) -> tuple[torch.Tensor, ...]:
     )
 
 
+# BiSheng cannot split a 16-row int8 score tile between a cube's two vector sub-blocks (the logits kernel
+# fails in TileAndBindSubBlock): int8 query tiles pad to 32 heads, the extra rows masked.
+_INT8_MIN_HEADS = 32
+
+
 def _tiles(queries: IndexQueries) -> dict[str, int]:
     _, h, d = queries.q.shape
-    return {"QUANT": queries.q.dtype == torch.int8, "HP": runtime.dot_dim(h), "DP": runtime.dot_dim(d)}
+    quant = queries.q.dtype == torch.int8
+    heads = max(h, _INT8_MIN_HEADS) if quant else h
+    return {"QUANT": quant, "HP": runtime.dot_dim(heads), "DP": runtime.dot_dim(d)}
 
 
 def indexer_logits_triton(queries: IndexQueries, pool: KeyPool) -> torch.Tensor:

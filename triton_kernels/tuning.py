@@ -156,11 +156,13 @@ class TunedKernel:
         return runtime.grid(n_tasks, self.uses_cube)
 
     def launched(self, signature: dict[str, str], constexprs: dict[str, int]) -> TunedKernel:
-        """This kernel as one recorded launch compiled it (all constexprs fixed), for the gate."""
+        """This kernel as one recorded launch compiled it (all constexprs fixed), for the gate: with the
+        compile options of the declared config the launch ran (its params are among the constexprs)."""
         variant = Variant(constexprs, (signature,))
+        ran = [c for c in self.configs if c.params.items() <= constexprs.items()]
         return TunedKernel(
             self.kernel,
-            (TuneConfig({}, 0),),
+            (TuneConfig({}, 0, ran[0].multibuffer if ran else True),),
             self.key,
             self.name,
             variants=(variant,),

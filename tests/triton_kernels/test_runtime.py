@@ -162,6 +162,17 @@ def test_tuned_kernel_passes_multibuffer_only_on_npu(monkeypatch: pytest.MonkeyP
     assert launched == [{"BLOCK": 16}, {"BLOCK": 16, "multibuffer": False}]
 
 
+def test_a_recorded_launch_compiles_with_its_configs_options() -> None:
+    """The gate lowers a recorded launch as it ran: single-buffered where the config it ran was."""
+    single = TuneConfig({"BLOCK": 32}, 64, multibuffer=False)
+    tuned = tuning.TunedKernel(_copy_kernel, (_SMALL, single), ["n"], "recorded", register=False)
+    signature = {"src_ptr": "*fp32", "dst_ptr": "*fp32", "n": "i32"}
+    ran = {32: False, 16: True, 8: True}  # 8: no declared config (a forced one) keeps the default
+    for block, multibuffer in ran.items():
+        (config,) = tuned.launched(signature, {"BLOCK": block}).configs
+        assert config.multibuffer is multibuffer and config.params == {}
+
+
 def test_buckets_round_key_values_up_to_powers_of_two() -> None:
     assert (
         tuning.bucket_of({"T": 3, "H": 64, "D": 448, "MODE": 0, "HEAD": True})
