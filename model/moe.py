@@ -61,7 +61,5 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         picked, weights = self.gate(x, ids)
-        out = self.experts(x, picked, weights)
-        if self.shared_experts is not None:
-            out += self.shared_experts(x).float()
-        return out.to(x.dtype)
+        shared = None if self.shared_experts is None else self.shared_experts(x)
+        return self.experts(x, picked, weights, shared).to(x.dtype)

@@ -201,9 +201,12 @@ class StackedExperts(nn.Module):
     def routed(self) -> RoutedExperts:
         return RoutedExperts(self._weight("w1"), self._weight("w3"), self._weight("w2"), self.limit)
 
-    def forward(self, x: torch.Tensor, picked: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """``sum_j weights[t, j] * expert_{picked[t, j]}(x[t])`` in fp32."""
-        return moe_gemm(x, picked, weights.float(), self.routed()).float()
+    def forward(
+        self, x: torch.Tensor, picked: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``sum_j weights[t, j] * expert_{picked[t, j]}(x[t])`` in fp32, rounded to x's dtype first, plus
+        the shared expert's output ``shared`` where given (``moe_gemm``'s combine adds it)."""
+        return moe_gemm(x, picked, weights.float(), self.routed(), shared).float()
 
     def extra_repr(self) -> str:
         return f"format={self.format}, experts={self.w1.shape[0]}"

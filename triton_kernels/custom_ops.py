@@ -563,6 +563,7 @@ def _moe_gemm(
     hidden: int,
     inter: int,
     swiglu_limit: float | None,
+    shared: Tensor | None,
 ) -> Tensor:
     experts = RoutedExperts(
         QuantWeight(fmt, w1, w1_scale, block, hidden),
@@ -570,23 +571,26 @@ def _moe_gemm(
         QuantWeight(fmt, w2, w2_scale, block, inter),
         swiglu_limit,
     )
-    return moe.moe_gemm(x, topk_ids, topk_weights, experts)
+    return moe.moe_gemm(x, topk_ids, topk_weights, experts, shared)
 
 
 @_moe_gemm.register_fake
-def _(x, topk_ids, topk_weights, fmt, block, w1, w1_scale, w3, w3_scale, w2, w2_scale, hidden, inter, limit):
-    return torch.empty_like(x)
+def _(x, topk_ids, topk_weights, fmt, block, w1, w1_scale, w3, w3_scale, w2, w2_scale, hidden, inter, limit,
+      shared):  # fmt: skip
+    return torch.empty_like(x, dtype=x.dtype if shared is None else torch.float32)
 
 
-def moe_gemm(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, experts: RoutedExperts) -> Tensor:
+def moe_gemm(
+    x: Tensor, topk_ids: Tensor, topk_weights: Tensor, experts: RoutedExperts, shared: Tensor | None = None
+) -> Tensor:
     if not tracing():
-        return moe.moe_gemm(x, topk_ids, topk_weights, experts)
+        return moe.moe_gemm(x, topk_ids, topk_weights, experts, shared)
     w1, w3, w2 = experts.w1, experts.w3, experts.w2
     if (w1.format, w1.block) != (w2.format, w2.block):
         raise ValueError(f"w2: format {w2.format} / block {w2.block} must be w1's ({w1.format} / {w1.block})")
     return _moe_gemm(
         x, topk_ids, topk_weights, w1.format, w1.block, w1.data, w1.scale, w3.data, w3.scale, w2.data,
-        w2.scale, experts.hidden, experts.inter, experts.swiglu_limit,
+        w2.scale, experts.hidden, experts.inter, experts.swiglu_limit, shared,
     )  # fmt: skip
 
 

@@ -2,11 +2,15 @@
 
 Contract
     ``moe_gemm(x [T, D] fp32 | bf16, topk_ids [T, k] int32 | int64, topk_weights [T, k] fp32,
-    experts: RoutedExperts) -> [T, D]``, dtype of ``x``, fp32 maths, where ``RoutedExperts(w1, w3:
-    QuantWeight [E, I, D], w2: QuantWeight [E, D, I], swiglu_limit: float | None)`` is checked once::
+    experts: RoutedExperts, shared: [T, D] | None = None) -> [T, D]``, dtype of ``x`` (fp32 with
+    ``shared``), fp32 maths, where ``RoutedExperts(w1, w3: QuantWeight [E, I, D], w2: QuantWeight
+    [E, D, I], swiglu_limit: float | None)`` is checked once::
 
         y[t] = sum_j topk_weights[t, j] * W2_e(silu(min(W1_e x[t], L)) * clamp(W3_e x[t], -L, L))
         with e = topk_ids[t, j]
+
+    ``shared`` (the shared expert's output, dtype of ``x``) is added in fp32 to ``y`` rounded to the dtype
+    of ``x``: the MoE block's sum as the model rounds it, before the block's own rounding or all-reduce.
 
     ``L = swiglu_limit`` (``None``: no clamp). A choice whose id is outside ``[0, E)`` (``-1``: none) adds
     nothing; ids are not range-checked on the host (that would synchronise). The experts are stacks of
@@ -29,8 +33,8 @@ Kernels
     both GEMMs (``quant_matmul.packed_matmul_tile`` with a pair of weights) and stores the clamped
     SwiGLU in fp32 (``h [S, I]``, S = T * k). The second launch multiplies ``h`` by ``W2_e``, scales
     each row by its routing weight and stores it in sorted order (``[S, D]`` fp32, dense tiles, no
-    scatter). The combine gathers each token's ``k`` rows
-    back and sums them in slot order (torch). Tasks (expert, row tile, column tile) are dealt round
+    scatter). The combine (``_combine_kernel``) gathers each token's ``k`` rows back, sums them in slot
+    order and adds ``shared``, one launch. Tasks (expert, row tile, column tile) are dealt round
     robin over a persistent grid; the expert's weights are reached by a pointer advanced once per
     expert (the release's FP8 stacks exceed int32 byte offsets). The integer formats run
     ``quant_matmul.int_matmul_tile`` (int8 dots) and rescale by the row's and the channel's scales. An
@@ -245,18 +249,33 @@ class RoutedExperts:
 
 
 def moe_gemm(
-    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: RoutedExperts
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    experts: RoutedExperts,
+    shared: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    _validate(x, topk_ids, topk_weights, experts)
+    _validate(x, topk_ids, topk_weights, experts, shared)
     if runtime.use_triton(x):
-        return moe_gemm_triton(x, topk_ids, topk_weights, experts)
-    return moe_gemm_ref(x, topk_ids, topk_weights, experts)
+        return moe_gemm_triton(x, topk_ids, topk_weights, experts, shared)
+    return moe_gemm_ref(x, topk_ids, topk_weights, experts, shared)
 
 
 def _validate(
-    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: RoutedExperts
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    experts: RoutedExperts,
+    shared: torch.Tensor | None,
 ) -> None:
     check_activations("x", x, experts.w1.expert(0))
+    if shared is not None and (
+        shared.shape != x.shape or shared.dtype != x.dtype or shared.device != x.device
+    ):
+        raise ValueError(
+            f"shared: {shared.dtype} {tuple(shared.shape)} on {shared.device} must be x's {x.dtype}"
+            f" {tuple(x.shape)} on {x.device}"
+        )
     t, width = x.shape[0], max(experts.hidden, experts.inter)
     if topk_ids.dtype not in _ID_DTYPES or topk_ids.dim() != 2 or topk_ids.shape[0] != t:
         raise ValueError(
@@ -274,7 +293,11 @@ def _validate(
 
 
 def moe_gemm_ref(
-    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: RoutedExperts
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    experts: RoutedExperts,
+    shared: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Each expert's sorted rows at once; ``quant_matmul_ref`` decodes one tile of its rows at a time and
     quantises the integer formats' activations per row (the tokens, then the SwiGLU output)."""
@@ -284,7 +307,15 @@ def moe_gemm_ref(
     stacks = (experts.w1, experts.w3, experts.w2)
     fp32 = all(w.format == DENSE and w.data.dtype == torch.float32 for w in stacks)
     y = (_fp32_experts if fp32 else _decoded_experts)(rows, routing, experts) * weights
-    return y[routing.inverse].view(t, k, x.shape[1]).sum(1).to(x.dtype)
+    return combine_ref(y, routing.inverse, k, x.dtype, shared)
+
+
+def combine_ref(
+    y: torch.Tensor, inverse: torch.Tensor, k: int, dtype: torch.dtype, shared: torch.Tensor | None
+) -> torch.Tensor:
+    """Each token's ``k`` rows of ``y`` (fp32, sorted order) summed, in ``dtype``; plus ``shared`` in fp32."""
+    out = y[inverse].view(-1, k, y.shape[1]).sum(1).to(dtype)
+    return out if shared is None else out.float() + shared.float()
 
 
 def _fp32_experts(rows: torch.Tensor, routing: ExpertRouting, experts: RoutedExperts) -> torch.Tensor:
@@ -449,11 +480,15 @@ def _activations(x: torch.Tensor, fmt: str, unread: torch.Tensor) -> tuple[torch
 
 
 def moe_gemm_triton(
-    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: RoutedExperts
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    experts: RoutedExperts,
+    shared: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    t, k = topk_ids.shape
+    k = topk_ids.shape[1]
     if not topk_ids.numel():
-        return x.new_zeros(x.shape)
+        return x.new_zeros(x.shape) if shared is None else shared.float()
     routing = sort_by_expert_triton(topk_ids, topk_weights, experts.num_experts)
     rows, inter, hidden_size = topk_ids.numel(), experts.inter, x.shape[1]
     # One zero fill for both: the integer formats quantise every row of the SwiGLU output, the dropped
@@ -468,7 +503,37 @@ def moe_gemm_triton(
     # scale, as Ascend's grouped W8A8 / W4A8 path does).
     h, h_scale = _activations(hidden, experts.w2.format, routing.weights)
     _launch(_down_tuned, h, h_scale, routing, experts.w2, experts.w2, y, limit, gate_up=False)
-    return y[routing.inverse].view(t, k, hidden_size).sum(1).to(x.dtype)
+    return combine_triton(y, routing.inverse, k, x.dtype, shared)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _combine_kernel(
+    y_ptr, inv_ptr, shared_ptr, out_ptr, T, K, D, SHARED: tl.constexpr, BLOCK_D: tl.constexpr
+):
+    tiles = tl.cdiv(D, BLOCK_D)
+    for task in range(tl.program_id(0), T * tiles, tl.num_programs(0)):
+        t = task // tiles
+        d = (task % tiles) * BLOCK_D + tl.arange(0, BLOCK_D)
+        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for j in range(K):
+            row = tl.load(inv_ptr + t * K + j)
+            acc += tl.load(y_ptr + row * D + d, mask=d < D, other=0.0)
+        if SHARED:
+            s = tl.load(shared_ptr + t * D + d, mask=d < D, other=0.0)
+            acc = acc.to(s.dtype).to(tl.float32) + s.to(tl.float32)
+        tl.store(out_ptr + t * D + d, acc.to(out_ptr.dtype.element_ty), mask=d < D)
+
+
+def combine_triton(
+    y: torch.Tensor, inverse: torch.Tensor, k: int, dtype: torch.dtype, shared: torch.Tensor | None
+) -> torch.Tensor:
+    t, d = inverse.numel() // k, y.shape[1]
+    out = y.new_empty((t, d), dtype=dtype if shared is None else torch.float32)
+    tuned = _combine_tuned
+    tuned[lambda meta: tuned.grid(t * triton.cdiv(d, meta["BLOCK_D"]))](
+        y, inverse, y if shared is None else shared.contiguous(), out, t, k, d, SHARED=shared is not None
+    )
+    return out
 
 
 def _gate_up_ub(block_m: int, block_n: int, block_k: int) -> int:
@@ -562,4 +627,23 @@ _swiglu_tuned = tuning.TunedKernel(
     key=["N"],
     variants=(Variant({"CLAMP": 1}, (_swiglu_signature("*bf16"), _swiglu_signature("*fp32"))),),
 )
-KERNELS = (_route_tuned, _gate_up_tuned, _down_tuned, _swiglu_tuned)
+
+
+def _combine_signature(shared: str, out: str) -> dict[str, str]:
+    return {"y_ptr": "*fp32", "inv_ptr": "*i64", "shared_ptr": shared, "out_ptr": out, "T": "i32", "K": "i32",
+            "D": "i32"}  # fmt: skip
+
+
+# Per column: the fp32 sum, one gathered row, the shared row and its fp32 copy, the output.
+_COMBINE_CONFIGS = tuple(TuneConfig({"BLOCK_D": b}, 5 * 4 * b) for b in (512, 1024))
+_combine_tuned = tuning.TunedKernel(
+    _combine_kernel,
+    _COMBINE_CONFIGS,
+    key=["D"],
+    name="combine",
+    variants=(
+        Variant({"SHARED": 0}, (_combine_signature("*fp32", "*bf16"), _combine_signature("*fp32", "*fp32"))),
+        Variant({"SHARED": 1}, (_combine_signature("*bf16", "*fp32"), _combine_signature("*fp32", "*fp32"))),
+    ),
+)
+KERNELS = (_route_tuned, _gate_up_tuned, _down_tuned, _swiglu_tuned, _combine_tuned)

@@ -47,8 +47,10 @@ class LocalExperts(StackedExperts):
             e, _, rest = name.partition(".")
             destination[f"{prefix}{int(e) + self.first}.{rest}"] = t
 
-    def forward(self, x: torch.Tensor, picked: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return super().forward(x, picked - self.first, weights)
+    def forward(
+        self, x: torch.Tensor, picked: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return super().forward(x, picked - self.first, weights, shared)
 
     def pack(self, fmt: str, block: int = 1, bias_columns: tuple[int, ...] = BIAS_COLUMNS) -> LocalExperts:
         return LocalExperts(self.first, self.dims[0], self.shape, fmt, block, bias_columns)
@@ -70,10 +72,8 @@ class ExpertParallelMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         picked, weights = self.gate(x, ids)
-        out = self.experts(x, picked, weights)
-        if self.shared_experts is not None:
-            out += self.shared_experts(x).float()
-        return self.context.all_reduce(out).to(x.dtype)
+        shared = None if self.shared_experts is None else self.shared_experts(x)
+        return self.context.all_reduce(self.experts(x, picked, weights, shared)).to(x.dtype)
 
 
 class DispatchMoE(ExpertParallelMoE):

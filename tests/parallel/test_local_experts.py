@@ -30,9 +30,9 @@ def test_local_experts_sum_to_the_whole_layer_and_skip_other_ranks_choices(
     computed = []
     real = moe_gemm.moe_gemm_ref
 
-    def counting(x, ids, w, experts):
+    def counting(x, ids, w, experts, shared=None):
         computed.append(int(((ids >= 0) & (ids < experts.num_experts)).sum()))
-        return real(x, ids, w, experts)
+        return real(x, ids, w, experts, shared)
 
     monkeypatch.setattr(moe_gemm, "moe_gemm_ref", counting)
     total = torch.zeros(7, moe.shape[1])

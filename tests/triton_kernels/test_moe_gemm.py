@@ -11,6 +11,8 @@ from triton_kernels import moe_gemm, runtime
 from triton_kernels.moe_gemm import (
     ExpertRouting,
     RoutedExperts,
+    combine_ref,
+    combine_triton,
     moe_gemm_ref,
     moe_gemm_triton,
     sort_by_expert,
@@ -208,6 +210,55 @@ def test_public_op_dispatches(monkeypatch: pytest.MonkeyPatch) -> None:
     assert torch.equal(moe_gemm.moe_gemm(x, ids, weights, experts), expected)
     monkeypatch.setattr(runtime, "use_triton", lambda t: True)
     assert_close(moe_gemm.moe_gemm(x, ids, weights, experts), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_shared", [False, True], ids=["routed", "shared"])
+@pytest.mark.parametrize("k", [1, 2, 6])
+def test_combine_sums_in_slot_order_then_adds_the_shared_expert(
+    dtype: torch.dtype, with_shared: bool, k: int
+) -> None:
+    """The kernel's combine is the reference's: the routed sum rounded to x's dtype, then plus the shared
+    output in fp32 (in fp32 bit for bit up to k = 2, where both sum in slot order); dropped rows read as 0."""
+    gen = torch.Generator().manual_seed(k)
+    t, d = 5, 1100  # a partial column tile for both configs
+    y = torch.randn(t * k + 3, d, generator=gen)
+    y[-3:] = 0.0  # the dropped choices' rows, past the last expert's
+    inverse = torch.randperm(t * k + 3, generator=gen)[: t * k]
+    shared = torch.randn(t, d, generator=gen).to(dtype) if with_shared else None
+    expected = combine_ref(y, inverse, k, dtype, shared)
+    for config in moe_gemm._COMBINE_CONFIGS:
+        with moe_gemm._combine_tuned.forced(config):
+            out = combine_triton(y, inverse, k, dtype, shared)
+        assert out.dtype == (torch.float32 if with_shared else dtype)
+        if dtype == torch.float32 and k <= 2:
+            assert torch.equal(out, expected)
+        else:
+            _assert_within_ulps(out, expected, dtype)
+
+
+def _assert_within_ulps(out: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    # The interpreter truncates fp32 -> bf16 where devices round to nearest even: one bf16 ulp apart.
+    ulp = 2**-7 if dtype == torch.bfloat16 else 1e-6
+    torch.testing.assert_close(out, expected, rtol=ulp, atol=ulp * float(expected.abs().max()))
+
+
+def test_shared_expert_output_joins_the_combine(monkeypatch: pytest.MonkeyPatch) -> None:
+    experts, (ids, weights), x = _experts("fp8-32"), _routing(4), _x(4, dtype=torch.bfloat16)
+    shared = _x(4, dtype=torch.bfloat16).flip(0)
+    routed = moe_gemm.moe_gemm(x, ids, weights, experts)
+    expected = routed.float() + shared.float()
+    assert torch.equal(moe_gemm.moe_gemm(x, ids, weights, experts, shared), expected)
+    monkeypatch.setattr(runtime, "use_triton", lambda t: True)
+    _assert_within_ulps(moe_gemm.moe_gemm(x, ids, weights, experts, shared), expected, torch.bfloat16)
+    empty = torch.zeros(0, K_CHOICES, dtype=torch.int64)
+    assert torch.equal(
+        moe_gemm.moe_gemm(x[:0], empty, empty.float(), experts, shared[:0]), shared[:0].float()
+    )
+    with pytest.raises(
+        ValueError, match=r"shared: torch.float32 \(4, 64\) on cpu must be x's torch.bfloat16"
+    ):
+        moe_gemm.moe_gemm(x, ids, weights, experts, shared.float())
 
 
 def _stack(fmt: str, n: int, k: int, experts: int = E) -> QuantWeight:
