@@ -29,7 +29,7 @@ from model.compressor import CompressorState
 from model.config import ModelConfig
 from model.plan import build_plan
 from triton_kernels.compressor import CompressBatch, CompressorStates, closing_first
-from triton_kernels.custom_ops import store_quantized, store_rows
+from triton_kernels.custom_ops import block_slots, store_quantized, store_rows
 from triton_kernels.indexer import KeyPool
 from triton_kernels.kv_store import QuantizedRows
 from triton_kernels.sparse_attn import KVPool
@@ -415,7 +415,7 @@ class Batch:
         batch = cls(pools, seqs, list(zip((ends - counts).tolist(), ends.tolist(), strict=True)), positions,
                     request.to(torch.int32), tables, positions, back, shape, padding)  # fmt: skip
         batch.window_write = batch.slots("window", request, positions)
-        batch.window_read = batch.slots("window", request[:, None].expand_as(back), back)
+        batch.window_read = batch.slots("window", request, back)
         if shape is not None:
             batch.compress = {
                 g.ratio: _compress_meta(g.ratio, shape, positions, request) for g in pools.groups[1:]
@@ -463,21 +463,9 @@ class Batch:
         return self
 
     def slots(self, group: str, request: torch.Tensor, numbers: torch.Tensor) -> torch.Tensor:
-        """Slots (int32) of positions or entry ``numbers`` of requests ``request`` (same shape); a number
-        below 0, or in a block of id -1, has slot -1."""
-        per_block = self.pools.slots_per_block[group]
-        width = self.tables[group].shape[1]
-        firsts = self.once(("first_slots", group), lambda: self._first_slots(group))
-        # Number -1 reads the trailing column: every slot of an invalid block lies in [-per_block, -1].
-        numbers = numbers.clamp(-1, width * per_block - 1)
-        return (firsts[request, numbers // per_block] + numbers % per_block).clamp(min=-1)
-
-    def _first_slots(self, group: str) -> torch.Tensor:
-        """Each block's first slot ``[B, max_blocks + 1]`` (int32), ``-per_block`` for block -1 and in the
-        trailing column."""
-        per_block = self.pools.slots_per_block[group]
-        firsts = (self.tables[group] * per_block).to(torch.int32)
-        return torch.cat([firsts, firsts.new_full((firsts.shape[0], 1), -per_block)], dim=1)
+        """Slots (int32) of positions or entry ``numbers`` (``[M]`` or ``[M, K]``) of requests ``request
+        [M]``; a number below 0, past the table, or in a block of id -1, has slot -1."""
+        return block_slots(self.tables[group], request, numbers, self.pools.slots_per_block[group])
 
     def once(self, key: tuple, make: Callable[[], Any]) -> Any:
         """``make()``, built once per step: the layers that need it share it."""
@@ -530,8 +518,7 @@ class Batch:
 
     def entry_slots(self, ratio: int, numbers: torch.Tensor) -> torch.Tensor:
         """Slots of each token's entry numbers ``[T, K]`` in its request's compressed group."""
-        request = self.request[:, None].expand_as(numbers)
-        return self._slots_of(group_name(ratio), request, numbers)
+        return self._slots_of(group_name(ratio), self.request, numbers)
 
     def _slots_of(self, group: str, request: torch.Tensor, numbers: torch.Tensor) -> torch.Tensor:
         """``slots``, once per step for the same ``numbers`` (the layers reading one index source, the

@@ -24,6 +24,7 @@ from triton_kernels import (
     indexer,
     kv_store,
     mhc,
+    paging,
     quant,
     rmsnorm,
     rope,
@@ -428,7 +429,23 @@ def compress(
     return None
 
 
-# --- cache writes: into their pools --------------------------------------------------------------
+# --- the paged cache: slots, and the writes into the pools ----------------------------------------
+
+
+@_op("block_slots")
+def _block_slots(table: Tensor, rows: Tensor, numbers: Tensor, per_block: int) -> Tensor:
+    return paging.block_slots(table, rows, numbers, per_block)
+
+
+@_block_slots.register_fake
+def _(table, rows, numbers, per_block):
+    return torch.empty_like(numbers, dtype=torch.int32)
+
+
+def block_slots(table: Tensor, rows: Tensor, numbers: Tensor, per_block: int) -> Tensor:
+    if tracing():
+        return _block_slots(table, rows, numbers, per_block)
+    return paging.block_slots(table, rows, numbers, per_block)
 
 
 @_op("store_rows", ("pool",))

@@ -13,6 +13,7 @@ from triton_kernels import (
     kv_store,
     mhc,
     moe_gemm,
+    paging,
     quant,
     quant_matmul,
     rmsnorm,
@@ -39,6 +40,7 @@ OPS: dict[str, ModuleType] = {
         quant_matmul,
         router,
         moe_gemm,
+        paging,
         kv_store,
     )  # fmt: skip
 }
