@@ -58,7 +58,8 @@ class HcHead(nn.Module):
         self.hc_head_base = nn.Parameter(torch.empty(cfg.hc_mult))
         self.hc_head_scale = nn.Parameter(torch.empty(1))
 
-    def collapse(self, x: torch.Tensor) -> torch.Tensor:
+    def collapse(self, x: torch.Tensor, norm: RMSNorm | None = None) -> torch.Tensor:
+        """The streams' learned collapse; ``norm`` applied to it in the same op."""
         pre = hc_head_coeffs(
             x,
             self.hc_head_fn,
@@ -67,4 +68,4 @@ class HcHead(nn.Module):
             norm_eps=self.cfg.rms_norm_eps,
             hc_eps=self.cfg.hc_eps,
         )
-        return hc_collapse(x, pre)
+        return hc_collapse(x, pre) if norm is None else norm.collapsed(x, pre)

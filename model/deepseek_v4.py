@@ -19,7 +19,7 @@ from model.config import ModelConfig
 from model.dspark import DSpark
 from model.layers import RMSNorm, RopeFrequencies, check_token_ids, linear
 from model.plan import LayerPlan, build_plan
-from triton_kernels.custom_ops import hc_collapse, hc_update
+from triton_kernels.custom_ops import hc_update
 
 
 class Block(MhcBlock):
@@ -33,10 +33,10 @@ class Block(MhcBlock):
     ) -> torch.Tensor:
         """``x [T, n, D]`` streams in and out."""
         pre, post, comb = self.coeffs(x, "attn")
-        a = self.attn(self.attn_norm(hc_collapse(x, pre)), batch, inv_freq)
+        a = self.attn(self.attn_norm.collapsed(x, pre), batch, inv_freq)
         x = hc_update(x, a, post, comb)
         pre, post, comb = self.coeffs(x, "ffn")
-        f = self.ffn(self.ffn_norm(hc_collapse(x, pre)), ids)
+        f = self.ffn(self.ffn_norm.collapsed(x, pre), ids)
         return hc_update(x, f, post, comb)
 
 
@@ -71,7 +71,7 @@ class MtpLayer(Block):
         e = self.e_proj(self.enorm(embed(next_ids)))
         x = self.h_proj(self.hnorm(streams)) + e[:, None, :]
         x = self.forward(x, next_ids, batch, inv_freq)
-        return head(self.norm(self.hc_head.collapse(x))).float(), x
+        return head(self.hc_head.collapse(x, self.norm)).float(), x
 
 
 class DeepseekV4(nn.Module):
@@ -129,7 +129,7 @@ class DeepseekV4(nn.Module):
         return x
 
     def logits(self, streams: torch.Tensor) -> torch.Tensor:
-        return self.head(self.norm(self.hc_head.collapse(streams))).float()
+        return self.head(self.hc_head.collapse(streams, self.norm)).float()
 
     def batch_forward(
         self, ids: torch.Tensor, batch: Batch, rows: torch.Tensor

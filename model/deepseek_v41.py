@@ -49,10 +49,10 @@ class Block41(MhcBlock):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Streams ``x [S, n, D]`` and the carried pre-mix ``[S, n]`` in; both updated out."""
         attn_pre, post, comb = self.coeffs(x, "attn")
-        a = self.attn(self.attn_norm(hc_collapse(x, carry)), batch, inv_freq, published)
+        a = self.attn(self.attn_norm.collapsed(x, carry), batch, inv_freq, published)
         x = hc_update(x, a, post, comb)
         ffn_pre, post, comb = self.coeffs(x, "ffn")
-        f = self.ffn(self.ffn_norm(hc_collapse(x, attn_pre)), ids)
+        f = self.ffn(self.ffn_norm.collapsed(x, attn_pre), ids)
         return hc_update(x, f, post, comb), ffn_pre
 
 

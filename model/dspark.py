@@ -94,12 +94,12 @@ class DSparkStage(MhcBlock):
         classic mHC with the sublayer's own."""
         attn_pre, post, comb = self.coeffs(x, "attn")
         attn = self.attn
-        collapsed = hc_collapse(x, carry if self.single_pass else attn_pre)
-        _, q, kv = attn.project(self.attn_norm(collapsed), positions, inv_freq)
+        attn_in = self.attn_norm.collapsed(x, carry if self.single_pass else attn_pre)
+        _, q, kv = attn.project(attn_in, positions, inv_freq)
         pool = KVPool(torch.cat([context, kv]), index)
         x = hc_update(x, attn.output(q, [pool], positions, inv_freq), post, comb)
         ffn_pre, post, comb = self.coeffs(x, "ffn")
-        f = self.ffn(self.ffn_norm(hc_collapse(x, attn_pre if self.single_pass else ffn_pre)), ids)
+        f = self.ffn(self.ffn_norm.collapsed(x, attn_pre if self.single_pass else ffn_pre), ids)
         return hc_update(x, f, post, comb), ffn_pre
 
     def collapse(self, x: torch.Tensor, carry: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ from torch import nn
 from model.config import ModelConfig
 from model.plan import Rope
 from model.quant_linear import DenseLinear
-from triton_kernels.custom_ops import apply_rope, rms_norm
+from triton_kernels.custom_ops import apply_rope, hc_collapse, rms_norm
 from triton_kernels.rope import rope_inv_freq
 
 
@@ -26,6 +26,10 @@ class RMSNorm(nn.Module):
     def rotated(self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
         """``apply_rope(self(x), positions, inv_freq)``, in one op."""
         return apply_rope(x, positions, inv_freq, norm_eps=self.eps, norm_weight=self.weight)
+
+    def collapsed(self, streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+        """``self(hc_collapse(streams, pre))``, in one op: a sublayer's input."""
+        return hc_collapse(streams, pre, self.weight, self.eps)
 
 
 def linear(hidden: int, out: int) -> DenseLinear:

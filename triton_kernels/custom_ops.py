@@ -152,17 +152,20 @@ def hc_head_coeffs(
 
 
 @_op("hc_collapse")
-def _hc_collapse(x: Tensor, pre: Tensor) -> Tensor:
-    return mhc.hc_collapse(x, pre)
+def _hc_collapse(x: Tensor, pre: Tensor, norm_weight: Tensor | None, norm_eps: float | None) -> Tensor:
+    return mhc.hc_collapse(x, pre, norm_weight, norm_eps)
 
 
 @_hc_collapse.register_fake
-def _(x, pre):
+def _(x, pre, norm_weight, norm_eps):
     return _like(x, x.shape[0], x.shape[2])
 
 
-def hc_collapse(x: Tensor, pre: Tensor) -> Tensor:
-    return _hc_collapse(x, pre) if tracing() else mhc.hc_collapse(x, pre)
+def hc_collapse(
+    x: Tensor, pre: Tensor, norm_weight: Tensor | None = None, norm_eps: float | None = None
+) -> Tensor:
+    op = _hc_collapse if tracing() else mhc.hc_collapse
+    return op(x, pre, norm_weight, norm_eps)
 
 
 @_op("hc_update")

@@ -14,7 +14,9 @@ Contract
     ``hc_head_coeffs(x, fn [n, n*D], base [n], scale [1], *, norm_eps, hc_eps) -> pre [T, n]`` fp32:
     the final collapse weights of V4 (``sigmoid(mu * scale + base) + hc_eps``, no Sinkhorn).
 
-    ``hc_collapse(x, pre) -> [T, D]``: ``sum_k pre[k] * x[k]`` in fp32, cast to the dtype of ``x``.
+    ``hc_collapse(x, pre, norm_weight=None, norm_eps=None) -> [T, D]``: ``sum_k pre[k] * x[k]`` in fp32,
+    cast to the dtype of ``x``; with ``norm_eps``, then ``rmsnorm.rms_norm(·, norm_weight, norm_eps)``
+    (the sublayer's input norm, its contract; ``norm_weight`` [D] fp32 or None), in one op.
 
     ``hc_update(x, f [T, D], post, comb) -> [T, n, D]``: ``out[j] = post[j] * f + sum_i comb[i, j] * x[i]``
     (comb used transposed), in fp32 with one cast to the dtype of ``x``; transformers' decoder layer
@@ -27,7 +29,9 @@ Kernels
     kernel's order; transformers normalises first, equal up to rounding). Activations and Sinkhorn
     follow on a [BLOCK_T, NP, R_PAD] tile of mix slots (slot ``(j, r)``): rows ``r < n`` hold ``comb``,
     row ``NP`` ``pre``, row ``NP + 1`` ``post``. ``HEAD`` selects the ``hc_head`` variant (pre only).
-    ``_hc_collapse_kernel`` / ``_hc_update_kernel``: one task is a (token, ``BLOCK_D`` columns) tile.
+    ``_hc_collapse_kernel`` / ``_hc_update_kernel``: one task is a (token, ``BLOCK_D`` columns) tile; with
+    the norm a collapse task is a token, whose row is collapsed twice in ``BLOCK_D`` sub-tiles (the sum
+    of squares of the rounded row, then the same row normalised and stored), as ``rmsnorm`` sweeps.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ import triton
 import triton.language as tl
 
 from triton_kernels import runtime, tuning
-from triton_kernels.rmsnorm import rms_norm_ref
+from triton_kernels.rmsnorm import rms_norm_ref, validate_norm
 from triton_kernels.shared import gather_rows, rms_factor
 from triton_kernels.spec import TuneConfig, Variant
 
@@ -87,10 +91,17 @@ def hc_head_coeffs(
     return run(x, fn, base, scale, norm_eps=norm_eps, hc_eps=hc_eps)
 
 
-def hc_collapse(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+def hc_collapse(
+    x: torch.Tensor, pre: torch.Tensor, norm_weight: torch.Tensor | None = None, norm_eps: float | None = None
+) -> torch.Tensor:
     t, n, _ = _check_streams(x)
     _check_param("pre", pre, (t, n), x)
-    return hc_collapse_triton(x, pre) if runtime.use_triton(x) else hc_collapse_ref(x, pre)
+    if norm_eps is not None:
+        validate_norm(x[:, 0], norm_weight, norm_eps)
+    elif norm_weight is not None:
+        raise ValueError("norm_weight: given without norm_eps")
+    run = hc_collapse_triton if runtime.use_triton(x) else hc_collapse_ref
+    return run(x, pre, norm_weight, norm_eps)
 
 
 def hc_update(x: torch.Tensor, f: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
@@ -186,8 +197,11 @@ def hc_head_coeffs_ref(
     return torch.sigmoid(_normed_mix(x, fn, norm_eps) * scale + base) + hc_eps
 
 
-def hc_collapse_ref(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
-    return (pre[:, :, None] * x.float()).sum(1).to(x.dtype)
+def hc_collapse_ref(
+    x: torch.Tensor, pre: torch.Tensor, norm_weight: torch.Tensor | None = None, norm_eps: float | None = None
+) -> torch.Tensor:
+    out = (pre[:, :, None] * x.float()).sum(1).to(x.dtype)
+    return out if norm_eps is None else rms_norm_ref(out, norm_weight, norm_eps)
 
 
 def hc_update_ref(x: torch.Tensor, f: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
@@ -347,27 +361,73 @@ def hc_head_coeffs_triton(
     return pre
 
 
+@triton.jit
+def _collapsed(x_ptr, pre_ptr, t, n, D, cols, col_ok):
+    """Columns ``cols`` of token ``t``'s collapsed row, in fp32, rounded to the dtype of ``x``."""
+    acc = tl.zeros(cols.shape, dtype=tl.float32)
+    for k in range(n):
+        xk = tl.load(x_ptr + (t * n + k) * D + cols, mask=col_ok, other=0.0).to(tl.float32)
+        acc += tl.load(pre_ptr + t * n + k) * xk
+    return acc.to(x_ptr.dtype.element_ty).to(tl.float32)
+
+
 @triton.jit(do_not_specialize=["T"])
-def _hc_collapse_kernel(x_ptr, pre_ptr, out_ptr, T, n, D, BLOCK_D: tl.constexpr):
+def _hc_collapse_kernel(
+    x_ptr,
+    pre_ptr,
+    w_ptr,
+    out_ptr,
+    T,
+    n,
+    D,
+    eps,
+    NORM: tl.constexpr,
+    WEIGHTED: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     pid = tl.program_id(0)
-    d_tiles = tl.cdiv(D, BLOCK_D)
-    for task in range(pid, T * d_tiles, tl.num_programs(0)):
-        t = task // d_tiles
-        cols = (task % d_tiles) * BLOCK_D + tl.arange(0, BLOCK_D)
-        col_ok = cols < D
-        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-        for k in range(n):
-            xk = tl.load(x_ptr + (t * n + k) * D + cols, mask=col_ok, other=0.0).to(tl.float32)
-            acc += tl.load(pre_ptr + t * n + k) * xk
-        tl.store(out_ptr + t * D + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
+    if NORM:
+        for t in range(pid, T, tl.num_programs(0)):
+            sq = tl.zeros([BLOCK_D], dtype=tl.float32)
+            for d0 in range(0, D, BLOCK_D):
+                cols = d0 + tl.arange(0, BLOCK_D)
+                y = _collapsed(x_ptr, pre_ptr, t, n, D, cols, cols < D)
+                sq += y * y
+            rstd = rms_factor(tl.sum(sq, axis=0), D, eps)
+            for d0 in range(0, D, BLOCK_D):
+                cols = d0 + tl.arange(0, BLOCK_D)
+                y = _collapsed(x_ptr, pre_ptr, t, n, D, cols, cols < D) * rstd
+                if WEIGHTED:
+                    y = y * tl.load(w_ptr + cols, mask=cols < D, other=0.0)
+                tl.store(out_ptr + t * D + cols, y.to(out_ptr.dtype.element_ty), mask=cols < D)
+    else:
+        d_tiles = tl.cdiv(D, BLOCK_D)
+        for task in range(pid, T * d_tiles, tl.num_programs(0)):
+            t = task // d_tiles
+            cols = (task % d_tiles) * BLOCK_D + tl.arange(0, BLOCK_D)
+            y = _collapsed(x_ptr, pre_ptr, t, n, D, cols, cols < D)
+            tl.store(out_ptr + t * D + cols, y.to(out_ptr.dtype.element_ty), mask=cols < D)
 
 
-def hc_collapse_triton(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+def hc_collapse_triton(
+    x: torch.Tensor, pre: torch.Tensor, norm_weight: torch.Tensor | None = None, norm_eps: float | None = None
+) -> torch.Tensor:
     t, n, d = x.shape
     out = torch.empty((t, d), dtype=x.dtype, device=x.device)
     if t > 0:
-        _hc_collapse_tuned[lambda meta: _hc_collapse_tuned.grid(t * triton.cdiv(d, meta["BLOCK_D"]))](
-            x.contiguous(), pre.contiguous(), out, t, n, d
+        norm = norm_eps is not None
+        tuned = _hc_collapse_tuned
+        tuned[lambda meta: tuned.grid(t if norm else t * triton.cdiv(d, meta["BLOCK_D"]))](
+            x.contiguous(),
+            pre.contiguous(),
+            pre if norm_weight is None else norm_weight,  # never read unweighted
+            out,
+            t,
+            n,
+            d,
+            0.0 if norm_eps is None else norm_eps,
+            NORM=norm,
+            WEIGHTED=norm_weight is not None,
         )
     return out
 
@@ -430,9 +490,10 @@ _MIX_CONFIGS = (
     TuneConfig({"BLOCK_T": 16, "BLOCK_K": 64}, _mix_ub(16, 64)),
     TuneConfig({"BLOCK_T": 16, "BLOCK_K": 32}, _mix_ub(16, 32)),
 )
-# acc, loaded and fp32 tiles of one column block (collapse); the [NP, BLOCK_D] accumulator and
+# acc, loaded and fp32 tiles of one column block, the squares and the weight (collapse); the [NP, BLOCK_D]
+# accumulator and
 # its product term plus f and x rows (update).
-_COLLAPSE_CONFIGS = tuple(TuneConfig({"BLOCK_D": bd}, 4 * 3 * bd) for bd in (512, 2048))
+_COLLAPSE_CONFIGS = tuple(TuneConfig({"BLOCK_D": bd}, 4 * 5 * bd) for bd in (512, 2048))
 _UPDATE_CONFIGS = tuple(TuneConfig({"BLOCK_D": bd}, 4 * (2 * _NP * bd + 3 * bd)) for bd in (512, 2048))
 
 _INTS = dict.fromkeys(("T", "n"), "i32")
@@ -444,7 +505,15 @@ def _mix_signature(x: str) -> dict[str, str]:
 
 
 def _collapse_signature(x: str) -> dict[str, str]:
-    return {"x_ptr": x, "pre_ptr": "*fp32", "out_ptr": x, **_INTS, "D": "i32"}
+    return {
+        "x_ptr": x,
+        "pre_ptr": "*fp32",
+        "w_ptr": "*fp32",
+        "out_ptr": x,
+        **_INTS,
+        "D": "i32",
+        "eps": "fp32",
+    }
 
 
 def _update_signature(x: str) -> dict[str, str]:
@@ -466,8 +535,11 @@ _hc_mix_tuned = tuning.TunedKernel(
 _hc_collapse_tuned = tuning.TunedKernel(
     _hc_collapse_kernel,
     _COLLAPSE_CONFIGS,
-    key=["n", "D"],
-    variants=(Variant({}, tuple(_collapse_signature(x) for x in _X)),),
+    key=["n", "D", "NORM"],
+    variants=tuple(
+        Variant({"NORM": norm, "WEIGHTED": norm}, tuple(_collapse_signature(x) for x in _X))
+        for norm in (0, 1)
+    ),
 )
 _hc_update_tuned = tuning.TunedKernel(
     _hc_update_kernel,

@@ -13,6 +13,7 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
 )
 
 from triton_kernels import mhc, runtime
+from triton_kernels.rmsnorm import rms_norm_ref
 
 NORM_EPS, HC_EPS, ITERS = 1e-6, 1e-6, 20
 
@@ -153,6 +154,28 @@ def test_collapse_and_update_kernels_match_reference(t: int, n: int, d: int, dty
     torch.testing.assert_close(out, mhc.hc_update_ref(x, f, post, comb))
 
 
+@pytest.mark.parametrize("weighted", [True, False], ids=["weighted", "plain"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("t", "n", "d"), [(3, 4, 32), (2, 4, 1100), (1, 3, 50)])
+def test_collapse_with_its_norm_is_the_norm_of_the_collapse(
+    t: int, n: int, d: int, dtype: torch.dtype, weighted: bool
+) -> None:
+    """The fused norm reads the collapse rounded to the streams' dtype, as the sublayer's norm does; rows
+    longer than a tile (1100) are swept in sub-tiles, by every config."""
+    x = _streams(t, n, d, dtype)
+    pre = _coeffs(mhc.hc_coeffs_ref, x, _params((2 + n) * n, n, d, 3, seed=0))[0]
+    weight = torch.rand(d, generator=torch.Generator().manual_seed(d)) + 0.5 if weighted else None
+    expected = rms_norm_ref(mhc.hc_collapse_ref(x, pre), weight, 1e-6)
+    assert torch.equal(mhc.hc_collapse_ref(x, pre, weight, 1e-6), expected)
+    for config in mhc._COLLAPSE_CONFIGS:
+        with mhc._hc_collapse_tuned.forced(config):
+            out = mhc.hc_collapse_triton(x, pre, weight, 1e-6)
+        assert out.dtype == dtype
+        # bf16: the interpreter truncates where devices round to nearest even, twice (collapse, norm).
+        tol = {"rtol": 2**-6, "atol": 2**-6} if dtype == torch.bfloat16 else {}
+        torch.testing.assert_close(out, expected, **tol)
+
+
 def test_update_uses_comb_transposed() -> None:
     x = torch.zeros(1, 2, 1)
     x[0, 0, 0] = 1.0  # only stream 0 carries signal
@@ -215,6 +238,11 @@ def _update_with(**override):
         (lambda: _head_with(fn=torch.zeros(24, 32)), r"fn: .* must be torch.float32 \(4, 32\)"),
         (lambda: _head_with(scale=torch.ones(3)), r"scale: .* must be torch.float32 \(1,\)"),
         (lambda: mhc.hc_collapse(_X, torch.ones(3, 4)), r"pre: .* must be torch.float32 \(2, 4\)"),
+        (lambda: mhc.hc_collapse(_X, torch.ones(2, 4), torch.ones(8)), "norm_weight: given without norm_eps"),
+        (
+            lambda: mhc.hc_collapse(_X, torch.ones(2, 4), torch.ones(7), 1e-6),
+            r"weight: shape \(7,\) must be \(8,\)",
+        ),
         (lambda: _update_with(f=torch.zeros(2, 8, dtype=torch.bfloat16)), "f: torch.bfloat16"),
         (lambda: _update_with(post=torch.ones(2, 4, device="meta")), "post: .* on meta"),
         (lambda: _update_with(comb=torch.ones(2, 4)), r"comb: .* must be torch.float32 \(2, 4, 4\)"),
