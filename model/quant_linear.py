@@ -47,7 +47,10 @@ class DenseLinear(nn.Linear):
     def grouped(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, G, in]``, group ``g`` projected by row block ``g`` of the weight: ``[T, G, out / G]``."""
         weight = self.weight.view(x.shape[1], -1, x.shape[-1])
-        return torch.bmm(x.transpose(0, 1), weight.transpose(1, 2)).transpose(0, 1)  # one batched GEMM
+        out = x.new_empty(x.shape[0], x.shape[1], weight.shape[1])
+        # One batched GEMM, written through the transposed view: the [T, G, out / G] rows need no copy.
+        torch.bmm(x.transpose(0, 1), weight.transpose(1, 2), out=out.transpose(0, 1))
+        return out
 
 
 class PackedLinear(nn.Module, ABC):
