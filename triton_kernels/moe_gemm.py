@@ -34,7 +34,8 @@ Kernels
     SwiGLU in fp32 (``h [S, I]``, S = T * k). The second launch multiplies ``h`` by ``W2_e``, scales
     each row by its routing weight and stores it in sorted order (``[S, D]`` fp32, dense tiles, no
     scatter). The combine (``_combine_kernel``) gathers each token's ``k`` rows back, sums them in slot
-    order and adds ``shared``, one launch. Tasks (expert, row tile, column tile) are dealt round
+    order and adds ``shared``, one launch; the dropped choices' rows are never written, and it reads
+    them as 0 (no zero fill). Tasks (expert, row tile, column tile) are dealt round
     robin over a persistent grid; the expert's weights are reached by a pointer advanced once per
     expert (the release's FP8 stacks exceed int32 byte offsets). The integer formats run
     ``quant_matmul.int_matmul_tile`` (int8 dots) and rescale by the row's and the channel's scales. An
@@ -491,10 +492,10 @@ def moe_gemm_triton(
         return x.new_zeros(x.shape) if shared is None else shared.float()
     routing = sort_by_expert_triton(topk_ids, topk_weights, experts.num_experts)
     rows, inter, hidden_size = topk_ids.numel(), experts.inter, x.shape[1]
-    # One zero fill for both: the integer formats quantise every row of the SwiGLU output, the dropped
-    # ones too, and the combine reads the dropped rows of the output as 0.
-    zeros = torch.zeros(rows * (inter + hidden_size), dtype=torch.float32, device=x.device)
-    hidden, y = zeros[: rows * inter].view(rows, inter), zeros[rows * inter :].view(rows, hidden_size)
+    # The dropped rows (past offsets[E]) are never written: the integer formats quantise them unread,
+    # and the combine reads them as 0.
+    hidden = torch.empty((rows, inter), dtype=torch.float32, device=x.device)
+    y = torch.empty((rows, hidden_size), dtype=torch.float32, device=x.device)
     limit = float("inf") if experts.swiglu_limit is None else float(experts.swiglu_limit)
     # The routing weights stand in for the scales the dense and packed formats never read.
     a, a_scale = _activations(x, experts.w1.format, routing.weights)
@@ -503,13 +504,14 @@ def moe_gemm_triton(
     # scale, as Ascend's grouped W8A8 / W4A8 path does).
     h, h_scale = _activations(hidden, experts.w2.format, routing.weights)
     _launch(_down_tuned, h, h_scale, routing, experts.w2, experts.w2, y, limit, gate_up=False)
-    return combine_triton(y, routing.inverse, k, x.dtype, shared)
+    return combine_triton(y, routing.inverse, k, x.dtype, shared, routing.offsets[-1:])
 
 
 @triton.jit(do_not_specialize=["T"])
 def _combine_kernel(
-    y_ptr, inv_ptr, shared_ptr, out_ptr, T, K, D, SHARED: tl.constexpr, BLOCK_D: tl.constexpr
+    y_ptr, inv_ptr, kept_ptr, shared_ptr, out_ptr, T, K, D, SHARED: tl.constexpr, BLOCK_D: tl.constexpr
 ):
+    kept = tl.load(kept_ptr)
     tiles = tl.cdiv(D, BLOCK_D)
     for task in range(tl.program_id(0), T * tiles, tl.num_programs(0)):
         t = task // tiles
@@ -517,7 +519,8 @@ def _combine_kernel(
         acc = tl.zeros([BLOCK_D], dtype=tl.float32)
         for j in range(K):
             row = tl.load(inv_ptr + t * K + j)
-            acc += tl.load(y_ptr + row * D + d, mask=d < D, other=0.0)
+            width = tl.where(row < kept, D, 0)  # a dropped choice's row reads as 0
+            acc += tl.load(y_ptr + row * D + d, mask=d < width, other=0.0)
         if SHARED:
             s = tl.load(shared_ptr + t * D + d, mask=d < D, other=0.0)
             acc = acc.to(s.dtype).to(tl.float32) + s.to(tl.float32)
@@ -525,13 +528,27 @@ def _combine_kernel(
 
 
 def combine_triton(
-    y: torch.Tensor, inverse: torch.Tensor, k: int, dtype: torch.dtype, shared: torch.Tensor | None
+    y: torch.Tensor,
+    inverse: torch.Tensor,
+    k: int,
+    dtype: torch.dtype,
+    shared: torch.Tensor | None,
+    kept: torch.Tensor,
 ) -> torch.Tensor:
+    """``combine_ref``, reading the rows of ``y`` from ``kept [1]`` on (the dropped choices') as 0."""
     t, d = inverse.numel() // k, y.shape[1]
     out = y.new_empty((t, d), dtype=dtype if shared is None else torch.float32)
     tuned = _combine_tuned
     tuned[lambda meta: tuned.grid(t * triton.cdiv(d, meta["BLOCK_D"]))](
-        y, inverse, y if shared is None else shared.contiguous(), out, t, k, d, SHARED=shared is not None
+        y,
+        inverse,
+        kept,
+        y if shared is None else shared.contiguous(),
+        out,
+        t,
+        k,
+        d,
+        SHARED=shared is not None,
     )
     return out
 
@@ -630,8 +647,8 @@ _swiglu_tuned = tuning.TunedKernel(
 
 
 def _combine_signature(shared: str, out: str) -> dict[str, str]:
-    return {"y_ptr": "*fp32", "inv_ptr": "*i64", "shared_ptr": shared, "out_ptr": out, "T": "i32", "K": "i32",
-            "D": "i32"}  # fmt: skip
+    return {"y_ptr": "*fp32", "inv_ptr": "*i64", "kept_ptr": "*i32", "shared_ptr": shared, "out_ptr": out,
+            "T": "i32", "K": "i32", "D": "i32"}  # fmt: skip
 
 
 # Per column: the fp32 sum, one gathered row, the shared row and its fp32 copy, the output.

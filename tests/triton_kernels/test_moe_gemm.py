@@ -223,13 +223,14 @@ def test_combine_sums_in_slot_order_then_adds_the_shared_expert(
     gen = torch.Generator().manual_seed(k)
     t, d = 5, 1100  # a partial column tile for both configs
     y = torch.randn(t * k + 3, d, generator=gen)
-    y[-3:] = 0.0  # the dropped choices' rows, past the last expert's
+    y[-3:] = 0.0  # the dropped choices' rows, past the last expert's: never written by the kernels
     inverse = torch.randperm(t * k + 3, generator=gen)[: t * k]
     shared = torch.randn(t, d, generator=gen).to(dtype) if with_shared else None
     expected = combine_ref(y, inverse, k, dtype, shared)
+    y[-3:] = float("nan")
     for config in moe_gemm._COMBINE_CONFIGS:
         with moe_gemm._combine_tuned.forced(config):
-            out = combine_triton(y, inverse, k, dtype, shared)
+            out = combine_triton(y, inverse, k, dtype, shared, torch.tensor([t * k], dtype=torch.int32))
         assert out.dtype == (torch.float32 if with_shared else dtype)
         if dtype == torch.float32 and k <= 2:
             assert torch.equal(out, expected)
