@@ -21,7 +21,7 @@ from torch import nn
 
 from model.config import EngramConfig
 from model.quant_linear import DenseLinear
-from triton_kernels.custom_ops import engram_gather, engram_hash
+from triton_kernels.custom_ops import engram_gate, engram_gather, engram_hash
 from triton_kernels.engram import HashTables, hash_tables
 from triton_kernels.quant_matmul import decode_e4m3, decode_e8m0
 from triton_kernels.shared import take_rows
@@ -251,14 +251,4 @@ class Engram(nn.Module):
         if dead is not None and (dead.dtype != torch.bool or dead.shape != (s,)):
             raise ValueError(f"dead: {dead.dtype} {tuple(dead.shape)} must be bool ({s},)")
         kv = self.wkv(self.embed.lookup(ids, x.device).flatten(1).to(x.dtype)).float()
-        key, val = kv[:, : n * d].view(s, n, d), kv[:, n * d :]
-        xf = x.float()
-        dot = (xf * self.q_weight.float() * self.k_weight.float() * key).sum(-1)
-        dot = (
-            dot * torch.rsqrt(xf.square().mean(-1) + self.eps) * torch.rsqrt(key.square().mean(-1) + self.eps)
-        )
-        dot = dot * d**-0.5
-        gate = torch.sigmoid(dot.sign() * dot.abs().clamp_min(1e-6).sqrt())
-        if dead is not None:
-            gate = gate.masked_fill(dead[:, None], 0.0)
-        return (xf + gate[:, :, None] * val[:, None, :]).to(x.dtype)
+        return engram_gate(x, kv, self.q_weight, self.k_weight, self.eps, dead)

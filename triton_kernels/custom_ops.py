@@ -31,6 +31,7 @@ from triton_kernels import (
     router,
     sparse_attn,
 )
+from triton_kernels import engram_gate as gating
 from triton_kernels import moe_gemm as moe
 from triton_kernels import quant_matmul as qmm
 from triton_kernels.compressor import CompressBatch, CompressorParams, CompressorStates
@@ -646,6 +647,25 @@ def engram_hash(cids: Tensor, n_history: int, tables: HashTables) -> Tensor:
     if tracing():
         return _engram_hash(cids, n_history, *_table_args(tables))
     return engram.engram_hash(cids, n_history, tables)
+
+
+@_op("engram_gate")
+def _engram_gate(
+    x: Tensor, kv: Tensor, q_weight: Tensor, k_weight: Tensor, eps: float, dead: Tensor | None
+) -> Tensor:
+    return gating.engram_gate(x, kv, q_weight, k_weight, eps, dead)
+
+
+@_engram_gate.register_fake
+def _(x, kv, q_weight, k_weight, eps, dead):
+    return torch.empty_like(x)
+
+
+def engram_gate(
+    x: Tensor, kv: Tensor, q_weight: Tensor, k_weight: Tensor, eps: float, dead: Tensor | None = None
+) -> Tensor:
+    op = _engram_gate if tracing() else gating.engram_gate
+    return op(x, kv, q_weight, k_weight, eps, dead)
 
 
 @_op("engram_gather")

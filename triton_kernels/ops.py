@@ -9,6 +9,7 @@ from types import ModuleType
 from triton_kernels import (
     compressor,
     engram,
+    engram_gate,
     indexer,
     kv_store,
     mhc,
@@ -37,6 +38,7 @@ OPS: dict[str, ModuleType] = {
         sparse_attn,
         compressor,
         engram,
+        engram_gate,
         quant_matmul,
         router,
         moe_gemm,
