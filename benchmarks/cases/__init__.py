@@ -28,7 +28,7 @@ _BUILDERS: dict[str, Builder] = {
     "quant_matmul": quant_matmul_cases,
     "moe_gemm": moe_gemm_cases,
 }
-# In the registry's order; the ops with no cases yet (router, engram_gate, paging, kv_store) are not benchmarked.
+# In the registry's order; ops with no cases yet (router, engram_gate, paging, kv_store) are not benchmarked.
 OPS: dict[str, Builder] = {op: _BUILDERS[op] for op in ops.OPS if op in _BUILDERS}
 
 __all__ = ["OPS", "Builder", "Case", "select"]
