@@ -103,19 +103,31 @@ class SharedKVAttention(nn.Module):
         self.attn_sink = nn.Parameter(torch.empty(self.heads))
 
     def project(
-        self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        inv_freq: torch.Tensor,
+        store: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``q_r [T, q_r]`` (also the indexer's input), rotated queries ``[T, H, d]`` and keys ``[T, d]``."""
+        """``q_r [T, q_r]`` (also the indexer's input), rotated queries ``[T, H, d]`` and keys ``[T, d]``
+        (also stored into ``store``, a cache pool and slots, by the same op)."""
         q_r = self.q_norm(self.wq_a(x))
         q = self.wq_b(q_r).view(x.shape[0], self.heads, self.head_dim)
         q = apply_rope(q, positions, inv_freq, norm_eps=self.eps if self.head_norm else None)
-        return q_r, q, self.kv_norm.rotated(self.wkv(x), positions, inv_freq)
+        return q_r, q, self.kv_norm.rotated(self.wkv(x), positions, inv_freq, store)
 
-    def window_keys(self, kv: torch.Tensor, batch: Batch) -> KVPool:
-        """Store the tokens' window keys; each token reads the W newest positions of its request."""
+    def project_window(
+        self, x: torch.Tensor, batch: Batch, inv_freq: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, KVPool]:
+        """``project``, the keys stored as the tokens' window keys (by the rotation itself unless the cache
+        quantises them); the window pool each token reads, the W newest positions of its request."""
         pool = batch.pools.window[self.plan.index]
-        batch.write(pool, batch.window_write, kv)
-        return pool.attended(batch.window_read)
+        plain = pool.scale is None
+        store = (pool.data, batch.window_write) if plain else None
+        q_r, q, kv = self.project(x, batch.positions, inv_freq, store)
+        if not plain:
+            batch.write(pool, batch.window_write, kv)
+        return q_r, q, pool.attended(batch.window_read)
 
     def output(
         self, q: torch.Tensor, pools: list[KVPool], positions: torch.Tensor, inv_freq: torch.Tensor
@@ -140,8 +152,8 @@ class V4Attention(SharedKVAttention):
 
     def forward(self, x: torch.Tensor, batch: Batch, inv_freq: torch.Tensor) -> torch.Tensor:
         plan = self.plan
-        q_r, q, kv = self.project(x, batch.positions, inv_freq)
-        pools = [self.window_keys(kv, batch)]
+        q_r, q, window = self.project_window(x, batch, inv_freq)
+        pools = [window]
         if plan.has_compressor:
             pool, ratio = batch.pools.entries[plan.index], plan.compress_ratio
             entries, request, numbers = self.compressor.pool_step(

@@ -96,8 +96,8 @@ class V41Attention(SharedKVAttention):
         self, x: torch.Tensor, batch: Batch, inv_freq: torch.Tensor, published: Published
     ) -> torch.Tensor:
         plan = self.plan
-        q_r, q, kv = self.project(x, batch.positions, inv_freq)
-        pools = [self.window_keys(kv, batch)]
+        q_r, q, window = self.project_window(x, batch, inv_freq)
+        pools = [window]
         if plan.attention is Kind.SLIDING:
             return self.output(q, pools, batch.positions, inv_freq)
         if plan.has_compressor:

@@ -23,9 +23,19 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
 
-    def rotated(self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-        """``apply_rope(self(x), positions, inv_freq)``, in one op."""
-        return apply_rope(x, positions, inv_freq, norm_eps=self.eps, norm_weight=self.weight)
+    def rotated(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        inv_freq: torch.Tensor,
+        store: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """``apply_rope(self(x), positions, inv_freq)``, in one op; ``store`` (a cache pool, slots): the
+        rows also stored there."""
+        cache, slots = store or (None, None)
+        return apply_rope(
+            x, positions, inv_freq, norm_eps=self.eps, norm_weight=self.weight, cache=cache, slots=slots
+        )
 
     def collapsed(self, streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
         """``self(hc_collapse(streams, pre))``, in one op: a sublayer's input."""

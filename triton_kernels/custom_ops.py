@@ -78,7 +78,7 @@ def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
     return _rms_norm(x, weight, eps) if tracing() else rmsnorm.rms_norm(x, weight, eps)
 
 
-@_op("apply_rope")
+@_op("apply_rope", ("cache",))
 def _apply_rope(
     x: Tensor,
     positions: Tensor,
@@ -86,12 +86,14 @@ def _apply_rope(
     inverse: bool,
     norm_eps: float | None,
     norm_weight: Tensor | None,
+    cache: Tensor | None,
+    slots: Tensor | None,
 ) -> Tensor:
-    return rope.apply_rope(x, positions, inv_freq, inverse, norm_eps, norm_weight)
+    return rope.apply_rope(x, positions, inv_freq, inverse, norm_eps, norm_weight, cache, slots)
 
 
 @_apply_rope.register_fake
-def _(x, positions, inv_freq, inverse, norm_eps, norm_weight):
+def _(x, positions, inv_freq, inverse, norm_eps, norm_weight, cache, slots):
     return torch.empty_like(x)
 
 
@@ -102,9 +104,11 @@ def apply_rope(
     inverse: bool = False,
     norm_eps: float | None = None,
     norm_weight: Tensor | None = None,
+    cache: Tensor | None = None,
+    slots: Tensor | None = None,
 ) -> Tensor:
     op = _apply_rope if tracing() else rope.apply_rope
-    return op(x, positions, inv_freq, inverse, norm_eps, norm_weight)
+    return op(x, positions, inv_freq, inverse, norm_eps, norm_weight, cache, slots)
 
 
 @_op("hc_coeffs")

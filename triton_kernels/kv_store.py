@@ -66,6 +66,13 @@ class QuantizedRows:
 
 
 def store_rows(rows: torch.Tensor, slots: torch.Tensor, pool: torch.Tensor) -> None:
+    validate_store(rows, slots, pool)
+    run = store_rows_triton if runtime.use_triton(rows) else store_rows_ref
+    run(rows, slots, pool)
+
+
+def validate_store(rows: torch.Tensor, slots: torch.Tensor, pool: torch.Tensor) -> None:
+    """``store_rows``'s checks of its arguments (also those of a store fused into another op)."""
     _validate_rows(rows, slots)
     if (
         pool.dtype not in _ROW_DTYPES
@@ -79,8 +86,6 @@ def store_rows(rows: torch.Tensor, slots: torch.Tensor, pool: torch.Tensor) -> N
     _validate_placement(
         rows, slots, {"slots": slots, "pool": pool}, {"rows": rows, "pool": pool}, pool.shape[0]
     )
-    run = store_rows_triton if runtime.use_triton(rows) else store_rows_ref
-    run(rows, slots, pool)
 
 
 def store_quantized(rows: torch.Tensor, slots: torch.Tensor, cache: QuantizedRows) -> None:

@@ -11,6 +11,9 @@ Contract
     ``inverse=True`` (the attention output). The leading NoPE channels are copied unchanged. With
     ``norm_eps``, ``x`` is first RMS-normalised over its last dim, weighted by ``norm_weight`` when given
     (``rmsnorm``'s contract: fp32, rounded once to the dtype of ``x``), as the keys and V4's queries are.
+    With ``cache`` (a pool ``[num_slots, D]`` of x's dtype) and ``slots [T]``, the rows of a 2-D ``x``
+    are also stored into the cache as they are returned (``kv_store.store_rows``'s contract: ``-1`` not
+    written): the window keys, rotated and stored in one launch.
     Positions are not range-checked (that would synchronise the device); the fp32 angle follows
     transformers exactly for positions below 2**24. cos/sin stay fp32 for bf16 input too, where
     transformers rounds them to bf16 first. The reference computes the cos/sin of a (positions,
@@ -34,6 +37,7 @@ import triton.language as tl
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from triton_kernels import runtime, tuning
+from triton_kernels.kv_store import store_rows_ref, validate_store
 from triton_kernels.rmsnorm import rms_norm_ref, validate_norm
 from triton_kernels.shared import rms_factor, rotate_pairs
 from triton_kernels.spec import TuneConfig, Variant
@@ -85,14 +89,24 @@ def apply_rope(
     inverse: bool = False,
     norm_eps: float | None = None,
     norm_weight: torch.Tensor | None = None,
+    cache: torch.Tensor | None = None,
+    slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     _validate(x, positions, inv_freq)
     if norm_eps is not None:
         validate_norm(x, norm_weight, norm_eps)
     elif norm_weight is not None:
         raise ValueError("norm_weight: given without norm_eps")
+    if (cache is None) != (slots is None):
+        raise ValueError("cache / slots: give both or neither")
+    if cache is not None:
+        if x.dim() != 2 or cache.dtype != x.dtype:
+            raise ValueError(
+                f"x: {x.dtype} {tuple(x.shape)} must be [T, D] of the cache's {cache.dtype} to be stored"
+            )
+        validate_store(x, slots, cache)
     run = apply_rope_triton if runtime.use_triton(x) else apply_rope_ref
-    return run(x, positions, inv_freq, inverse, norm_eps, norm_weight)
+    return run(x, positions, inv_freq, inverse, norm_eps, norm_weight, cache, slots)
 
 
 def _validate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> None:
@@ -126,6 +140,22 @@ def apply_rope_ref(
     inverse: bool = False,
     norm_eps: float | None = None,
     norm_weight: torch.Tensor | None = None,
+    cache: torch.Tensor | None = None,
+    slots: torch.Tensor | None = None,
+) -> torch.Tensor:
+    out = _rotated_ref(x, positions, inv_freq, inverse, norm_eps, norm_weight)
+    if cache is not None:
+        store_rows_ref(out, slots, cache)
+    return out
+
+
+def _rotated_ref(
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    inverse: bool,
+    norm_eps: float | None,
+    norm_weight: torch.Tensor | None,
 ) -> torch.Tensor:
     if norm_eps is not None:
         x = rms_norm_ref(x, norm_weight, norm_eps)
@@ -170,16 +200,20 @@ def _rope_kernel(
     freq_ptr,
     w_ptr,
     out_ptr,
+    cache_ptr,
+    slot_ptr,
     R,
     H,
     D,
     P,
     stride_x,
     stride_out,
+    stride_cache,
     sign,
     eps,
     NORM: tl.constexpr,
     WEIGHTED: tl.constexpr,
+    STORE: tl.constexpr,
     HALF: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -194,6 +228,10 @@ def _rope_kernel(
         row_ok = rows < R
         src = x_ptr + rows[:, None] * stride_x
         dst = out_ptr + rows[:, None] * stride_out
+        if STORE:  # one row a token (H = 1); slot -1 is not written
+            slot = tl.load(slot_ptr + rows, mask=row_ok, other=-1)
+            stored = slot.to(tl.float32) >= 0  # the sign, exact in fp32
+            line = cache_ptr + tl.where(stored, slot, 0)[:, None] * stride_cache
         # The rope channels as one contiguous [rows, 2 * HALF] tile, split into its pairs on chip.
         rope_cols = nope + tl.arange(0, 2 * HALF)
         rope_mask = row_ok[:, None] & (rope_cols[None, :] < D)
@@ -218,6 +256,9 @@ def _rope_kernel(
                 if WEIGHTED:
                     xv = xv * tl.load(w_ptr + cols, mask=cols < nope, other=0.0)[None, :]
             tl.store(dst + cols[None, :], xv.to(out_ptr.dtype.element_ty), mask=mask)
+            if STORE:
+                at, kept = line + tl.minimum(cols, nope - 1)[None, :], mask & stored[:, None]
+                tl.store(at, xv.to(out_ptr.dtype.element_ty), mask=kept)  # in-bounds: slot and column clamped
         pos = tl.load(pos_ptr + rows // H, mask=row_ok, other=0).to(tl.float32)
         angle = pos[:, None] * freq[None, :]
         cos = tl.cos(angle)
@@ -226,6 +267,9 @@ def _rope_kernel(
         mask = rope_mask
         y = rotate_pairs(x, cos, sin)
         tl.store(dst + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
+        if STORE:
+            at, kept = line + tl.minimum(cols, D - 1)[None, :], mask & stored[:, None]
+            tl.store(at, y.to(out_ptr.dtype.element_ty), mask=kept)  # in-bounds: slot and column clamped
 
 
 def apply_rope_triton(
@@ -235,6 +279,8 @@ def apply_rope_triton(
     inverse: bool = False,
     norm_eps: float | None = None,
     norm_weight: torch.Tensor | None = None,
+    cache: torch.Tensor | None = None,
+    slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     heads, d, p = (x.shape[1] if x.dim() == 3 else 1), x.shape[-1], inv_freq.numel()
     x2 = x.reshape(-1, d)
@@ -249,16 +295,20 @@ def apply_rope_triton(
             inv_freq.contiguous(),
             x2 if norm_weight is None else norm_weight,  # read only when weighted
             out,
+            out if cache is None else cache,  # written only with a cache
+            positions if slots is None else slots.contiguous(),
             rows,
             heads,
             d,
             p,
             x2.stride(0),
             d,
+            0 if cache is None else cache.stride(0),
             -1.0 if inverse else 1.0,
             1.0 if norm_eps is None else norm_eps,
             NORM=norm_eps is not None,
             WEIGHTED=norm_weight is not None,
+            STORE=cache is not None,
             HALF=triton.next_power_of_2(p),
         )
     return out.view(x.shape)
@@ -281,16 +331,20 @@ def rotate_rope_channels_triton(
         inv_freq.contiguous(),
         rope,  # never read: no norm
         rope,
+        rope,  # never written: no cache
+        positions,
         rows,
         heads,
         2 * p,
         p,
         d,
         d,
+        0,
         -1.0 if inverse else 1.0,
         1.0,
         NORM=False,
         WEIGHTED=False,
+        STORE=False,
         HALF=triton.next_power_of_2(p),
     )
 
@@ -300,8 +354,9 @@ _HALF = 32  # rope_dim 64 in every release
 
 def _ub_bytes(block_r: int, block_d: int) -> int:
     # The copied NoPE tile with its fp32 copy, the squares and the weight tile, then angle, cos, sin, two
-    # inputs and two outputs per rope pair, and per row its position, sum of squares and factor.
-    return 4 * (3 * block_r * block_d + block_d + 7 * block_r * _HALF + 3 * _HALF + 4 * block_r)
+    # inputs and two outputs per rope pair, and per row its position, sum of squares and factor, and its
+    # slot with its mask and cache row (a stored rotation).
+    return 4 * (3 * block_r * block_d + block_d + 7 * block_r * _HALF + 3 * _HALF + 8 * block_r)
 
 
 _CONFIGS = tuple(
@@ -310,10 +365,11 @@ _CONFIGS = tuple(
 )
 
 
-def _signature(x: str, pos: str, w: str) -> dict[str, str]:
-    ints = dict.fromkeys(("R", "H", "D", "P", "stride_x", "stride_out"), "i32")
+def _signature(x: str, pos: str, w: str, cache: str | None = None, slot: str | None = None) -> dict[str, str]:
+    ints = dict.fromkeys(("R", "H", "D", "P", "stride_x", "stride_out", "stride_cache"), "i32")
     pointers = {"x_ptr": x, "pos_ptr": pos, "freq_ptr": "*fp32", "w_ptr": w, "out_ptr": x}
-    return {**pointers, **ints, "sign": "fp32", "eps": "fp32"}
+    stored = {"cache_ptr": cache or x, "slot_ptr": slot or pos}
+    return {**pointers, **stored, **ints, "sign": "fp32", "eps": "fp32"}
 
 
 _rope_tuned = tuning.TunedKernel(
@@ -321,18 +377,23 @@ _rope_tuned = tuning.TunedKernel(
     _CONFIGS,
     key=["D", "HALF"],
     # Plain (queries of V4.1 and the indexers, the output's de-rotation: positions of either dtype), after
-    # V4's unweighted head norm, after the keys' weighted norm (the step's positions).
+    # V4's unweighted head norm, after the keys' weighted norm (the step's positions), and the window keys
+    # stored as they are rotated (into a cache of their dtype, at the step's int32 slots).
     variants=(
         Variant(
-            {"NORM": 0, "WEIGHTED": 0, "HALF": _HALF},
+            {"NORM": 0, "WEIGHTED": 0, "STORE": 0, "HALF": _HALF},
             tuple(_signature(x, pos, x) for x in ("*fp32", "*bf16") for pos in ("*i64", "*i32")),
         ),
         *(
             Variant(
-                {"NORM": 1, "WEIGHTED": weighted, "HALF": _HALF},
+                {"NORM": 1, "WEIGHTED": weighted, "STORE": 0, "HALF": _HALF},
                 tuple(_signature(x, "*i64", "*fp32" if weighted else x) for x in ("*fp32", "*bf16")),
             )
             for weighted in (0, 1)
+        ),
+        Variant(
+            {"NORM": 1, "WEIGHTED": 1, "STORE": 1, "HALF": _HALF},
+            tuple(_signature(x, "*i64", "*fp32", x, "*i32") for x in ("*fp32", "*bf16")),
         ),
     ),
     never_one=("D",),  # 2P <= D with P >= 1; the adapter crashes on D = P = 1

@@ -130,6 +130,39 @@ def test_norm_then_rope_matches_the_two_references(
     torch.testing.assert_close(out.float(), want.float(), **tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rope_fn", [apply_rope_ref, apply_rope_triton], ids=["ref", "triton"])
+def test_keys_are_stored_as_they_are_rotated(rope_fn, dtype: torch.dtype) -> None:
+    """The rows returned are the rows stored at their slots (-1: not stored); every other slot keeps its
+    row, in both the NoPE and the rope channels (a row wider than a NoPE sub-tile: 600)."""
+    x, positions, inv_freq = _x((6, 600), dtype) * 3, _positions(6), rope_inv_freq(64, 10000.0)
+    weight = torch.rand(600, generator=torch.Generator().manual_seed(4)) + 0.5
+    cache = _x((10, 600), dtype, seed=5)
+    before, slots = cache.clone(), torch.tensor([7, -1, 0, 3, -1, 9], dtype=torch.int32)
+    out = rope_fn(x, positions, inv_freq, False, 1e-6, weight, cache, slots)
+    assert torch.equal(out, rope_fn(x, positions, inv_freq, False, 1e-6, weight))
+    kept = slots >= 0
+    assert torch.equal(cache[slots[kept].long()], out[kept])
+    untouched = torch.ones(10, dtype=torch.bool)
+    untouched[slots[kept].long()] = False
+    assert torch.equal(cache[untouched], before[untouched])
+
+
+def test_a_stored_rotation_is_validated() -> None:
+    x, positions, inv_freq = _x((2, 16)), _positions(2), torch.ones(4)
+    slots = torch.tensor([0, 1])
+    with pytest.raises(ValueError, match="cache / slots: give both or neither"):
+        apply_rope(x, positions, inv_freq, cache=torch.zeros(4, 16))
+    with pytest.raises(
+        ValueError, match=r"x: torch.float32 \(2, 16\) must be \[T, D\] of the cache's torch.bfloat16"
+    ):
+        apply_rope(x, positions, inv_freq, cache=torch.zeros(4, 16, dtype=torch.bfloat16), slots=slots)
+    with pytest.raises(ValueError, match=r"x: torch.float32 \(2, 1, 16\) must be \[T, D\]"):
+        apply_rope(x[:, None], positions, inv_freq, cache=torch.zeros(4, 16), slots=slots)
+    with pytest.raises(ValueError, match=r"pool: torch.float32 \(4, 8\) must be \[num_slots, 16\]"):
+        apply_rope(x, positions, inv_freq, cache=torch.zeros(4, 8), slots=slots)
+
+
 def test_norm_weight_needs_eps() -> None:
     with pytest.raises(ValueError, match="norm_weight: given without norm_eps"):
         apply_rope(_x((2, 16)), _positions(2), torch.ones(4), norm_weight=torch.ones(16))
