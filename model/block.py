@@ -9,7 +9,7 @@ from model.config import ModelConfig
 from model.layers import RMSNorm
 from model.moe import MoE
 from model.plan import LayerPlan
-from triton_kernels.custom_ops import hc_coeffs, hc_collapse, hc_head_coeffs
+from triton_kernels.custom_ops import hc_collapse, hc_head_coeffs, hc_mix
 
 
 class MhcBlock(nn.Module):
@@ -28,9 +28,14 @@ class MhcBlock(nn.Module):
             setattr(self, f"hc_{site}_base", nn.Parameter(torch.empty(width)))
             setattr(self, f"hc_{site}_scale", nn.Parameter(torch.empty(3)))
 
-    def coeffs(self, x: torch.Tensor, site: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """pre ``[S, n]``, post ``[S, n]`` and comb ``[S, n, n]`` of the streams ``x`` for ``site``."""
-        return hc_coeffs(
+    def mix(
+        self, x: torch.Tensor, site: str, carry: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """pre ``[S, n]``, post ``[S, n]`` and comb ``[S, n, n]`` of the streams ``x`` for ``site``, and the
+        sublayer's input ``[S, D]``: the streams collapsed by ``carry`` (or by pre) and normed by the site's
+        norm, in one op."""
+        norm: RMSNorm = getattr(self, f"{site}_norm")
+        return hc_mix(
             x,
             getattr(self, f"hc_{site}_fn"),
             getattr(self, f"hc_{site}_base"),
@@ -38,6 +43,9 @@ class MhcBlock(nn.Module):
             norm_eps=self.cfg.rms_norm_eps,
             hc_eps=self.cfg.hc_eps,
             sinkhorn_iters=self.cfg.hc_sinkhorn_iters,
+            input_weight=norm.weight,
+            input_eps=norm.eps,
+            carry=carry,
         )
 
 

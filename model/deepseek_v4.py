@@ -32,11 +32,11 @@ class Block(MhcBlock):
         self, x: torch.Tensor, ids: torch.Tensor, batch: Batch, inv_freq: torch.Tensor
     ) -> torch.Tensor:
         """``x [T, n, D]`` streams in and out."""
-        pre, post, comb = self.coeffs(x, "attn")
-        a = self.attn(self.attn_norm.collapsed(x, pre), batch, inv_freq)
+        _, post, comb, h = self.mix(x, "attn")
+        a = self.attn(h, batch, inv_freq)
         x = hc_update(x, a, post, comb)
-        pre, post, comb = self.coeffs(x, "ffn")
-        f = self.ffn(self.ffn_norm.collapsed(x, pre), ids)
+        _, post, comb, h = self.mix(x, "ffn")
+        f = self.ffn(h, ids)
         return hc_update(x, f, post, comb)
 
 

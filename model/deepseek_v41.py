@@ -48,11 +48,11 @@ class Block41(MhcBlock):
         published: Published,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Streams ``x [S, n, D]`` and the carried pre-mix ``[S, n]`` in; both updated out."""
-        attn_pre, post, comb = self.coeffs(x, "attn")
-        a = self.attn(self.attn_norm.collapsed(x, carry), batch, inv_freq, published)
+        attn_pre, post, comb, h = self.mix(x, "attn", carry)
+        a = self.attn(h, batch, inv_freq, published)
         x = hc_update(x, a, post, comb)
-        ffn_pre, post, comb = self.coeffs(x, "ffn")
-        f = self.ffn(self.ffn_norm.collapsed(x, attn_pre), ids)
+        ffn_pre, post, comb, h = self.mix(x, "ffn", attn_pre)
+        f = self.ffn(h, ids)
         return hc_update(x, f, post, comb), ffn_pre
 
 

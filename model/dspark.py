@@ -92,14 +92,13 @@ class DSparkStage(MhcBlock):
         rows ``index[t]`` (-1: none) of ``cat(context, the block tokens' keys)``. Single-pass mHC
         collapses each sublayer's input with the pre-mix before it (``carry`` in, the FFN's out);
         classic mHC with the sublayer's own."""
-        attn_pre, post, comb = self.coeffs(x, "attn")
+        attn_pre, post, comb, h = self.mix(x, "attn", carry if self.single_pass else None)
         attn = self.attn
-        attn_in = self.attn_norm.collapsed(x, carry if self.single_pass else attn_pre)
-        _, q, kv = attn.project(attn_in, positions, inv_freq)
+        _, q, kv = attn.project(h, positions, inv_freq)
         pool = KVPool(torch.cat([context, kv]), index)
         x = hc_update(x, attn.output(q, [pool], positions, inv_freq), post, comb)
-        ffn_pre, post, comb = self.coeffs(x, "ffn")
-        f = self.ffn(self.ffn_norm.collapsed(x, attn_pre if self.single_pass else ffn_pre), ids)
+        ffn_pre, post, comb, h = self.mix(x, "ffn", attn_pre if self.single_pass else None)
+        f = self.ffn(h, ids)
         return hc_update(x, f, post, comb), ffn_pre
 
     def collapse(self, x: torch.Tensor, carry: torch.Tensor) -> torch.Tensor:

@@ -111,29 +111,52 @@ def apply_rope(
     return op(x, positions, inv_freq, inverse, norm_eps, norm_weight, cache, slots)
 
 
-@_op("hc_coeffs")
-def _hc_coeffs(
-    x: Tensor, fn: Tensor, base: Tensor, scale: Tensor, norm_eps: float, hc_eps: float, sinkhorn_iters: int
-) -> tuple[Tensor, Tensor, Tensor]:
-    pre, post, comb = mhc.hc_coeffs(
-        x, fn, base, scale, norm_eps=norm_eps, hc_eps=hc_eps, sinkhorn_iters=sinkhorn_iters
-    )
-    return pre, post, comb
+@_op("hc_mix")
+def _hc_mix(
+    x: Tensor,
+    fn: Tensor,
+    base: Tensor,
+    scale: Tensor,
+    norm_eps: float,
+    hc_eps: float,
+    sinkhorn_iters: int,
+    input_weight: Tensor | None,
+    input_eps: float,
+    carry: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    pre, post, comb, h = mhc.hc_mix(
+        x, fn, base, scale, norm_eps=norm_eps, hc_eps=hc_eps, sinkhorn_iters=sinkhorn_iters,
+        input_weight=input_weight, input_eps=input_eps, carry=carry,
+    )  # fmt: skip
+    return pre, post, comb, h
 
 
-@_hc_coeffs.register_fake
-def _(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters):
-    t, n = x.shape[:2]
+@_hc_mix.register_fake
+def _(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, input_weight, input_eps, carry):
+    t, n, d = x.shape
     f32 = torch.float32
-    return _like(x, t, n, dtype=f32), _like(x, t, n, dtype=f32), _like(x, t, n, n, dtype=f32)
+    return _like(x, t, n, dtype=f32), _like(x, t, n, dtype=f32), _like(x, t, n, n, dtype=f32), _like(x, t, d)
 
 
-def hc_coeffs(
-    x: Tensor, fn: Tensor, base: Tensor, scale: Tensor, *, norm_eps: float, hc_eps: float, sinkhorn_iters: int
-) -> tuple[Tensor, Tensor, Tensor]:
+def hc_mix(
+    x: Tensor,
+    fn: Tensor,
+    base: Tensor,
+    scale: Tensor,
+    *,
+    norm_eps: float,
+    hc_eps: float,
+    sinkhorn_iters: int,
+    input_weight: Tensor | None,
+    input_eps: float,
+    carry: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     if tracing():
-        return _hc_coeffs(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters)
-    return mhc.hc_coeffs(x, fn, base, scale, norm_eps=norm_eps, hc_eps=hc_eps, sinkhorn_iters=sinkhorn_iters)
+        return _hc_mix(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, input_weight, input_eps, carry)
+    return mhc.hc_mix(
+        x, fn, base, scale, norm_eps=norm_eps, hc_eps=hc_eps, sinkhorn_iters=sinkhorn_iters,
+        input_weight=input_weight, input_eps=input_eps, carry=carry,
+    )  # fmt: skip
 
 
 @_op("hc_head_coeffs")

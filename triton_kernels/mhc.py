@@ -11,6 +11,11 @@ Contract
     column normalisation and ``sinkhorn_iters - 1`` (row, column) normalisations, each dividing by
     ``sum + hc_eps``.
 
+    ``hc_mix(x, fn, base, scale, *, norm_eps, hc_eps, sinkhorn_iters, input_weight, input_eps, carry=None)
+    -> (pre, post, comb, h [T, D])``: ``hc_coeffs`` and the sublayer's input in one op, ``h =
+    hc_collapse(x, carry if given else pre, input_weight, input_eps)`` (V4.1 collapses by the pre-mix it
+    carries, V4 by the sublayer's own).
+
     ``hc_head_coeffs(x, fn [n, n*D], base [n], scale [1], *, norm_eps, hc_eps) -> pre [T, n]`` fp32:
     the final collapse weights of V4 (``sigmoid(mu * scale + base) + hc_eps``, no Sinkhorn).
 
@@ -29,6 +34,8 @@ Kernels
     kernel's order; transformers normalises first, equal up to rounding). Activations and Sinkhorn
     follow on a [BLOCK_T, NP, R_PAD] tile of mix slots (slot ``(j, r)``): rows ``r < n`` hold ``comb``,
     row ``NP`` ``pre``, row ``NP + 1`` ``post``. ``HEAD`` selects the ``hc_head`` variant (pre only).
+    ``COLLAPSE`` (``hc_mix``) then collapses the task's tokens by ``pre`` (or ``carry``, ``CARRIED``) in
+    ``[BLOCK_T, BLOCK_K]`` column tiles, swept twice for the norm as the collapse kernel sweeps a row.
     ``_hc_collapse_kernel`` / ``_hc_update_kernel``: one task is a (token, ``BLOCK_D`` columns) tile; with
     the norm a collapse task is a token, whose row is collapsed twice in ``BLOCK_D`` sub-tiles (the sum
     of squares of the rounded row, then the same row normalised and stored), as ``rmsnorm`` sweeps.
@@ -49,6 +56,7 @@ from triton_kernels.spec import TuneConfig, Variant
 _DTYPES = (torch.float32, torch.bfloat16)
 _MAX_STREAMS = 16
 _MAX_NUMEL = 2**31 - 1  # offsets are int32 inside the kernels
+_COLLAPSE_COLS = tl.constexpr(32)  # hc_mix's collapse tiles: [BLOCK_T, 32]
 
 
 def hc_coeffs(
@@ -61,7 +69,43 @@ def hc_coeffs(
     hc_eps: float,
     sinkhorn_iters: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    _, n, d = _check_streams(x)
+    _check_coeffs(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters)
+    run = hc_coeffs_triton if runtime.use_triton(x) else hc_coeffs_ref
+    return run(x, fn, base, scale, norm_eps=norm_eps, hc_eps=hc_eps, sinkhorn_iters=sinkhorn_iters)
+
+
+def hc_mix(
+    x: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    *,
+    norm_eps: float,
+    hc_eps: float,
+    sinkhorn_iters: int,
+    input_weight: torch.Tensor | None,
+    input_eps: float,
+    carry: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    t, n, _ = _check_coeffs(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters)
+    if carry is not None:
+        _check_param("carry", carry, (t, n), x)
+    validate_norm(x[:, 0], input_weight, input_eps)
+    run = hc_mix_triton if runtime.use_triton(x) else hc_mix_ref
+    coeffs = {"norm_eps": norm_eps, "hc_eps": hc_eps, "sinkhorn_iters": sinkhorn_iters}
+    return run(x, fn, base, scale, **coeffs, input_weight=input_weight, input_eps=input_eps, carry=carry)
+
+
+def _check_coeffs(
+    x: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    norm_eps: float,
+    hc_eps: float,
+    sinkhorn_iters: int,
+) -> tuple[int, int, int]:
+    t, n, d = _check_streams(x)
     m = (2 + n) * n
     _check_param("fn", fn, (m, n * d), x)
     _check_param("base", base, (m,), x)
@@ -69,8 +113,7 @@ def hc_coeffs(
     _check_eps(norm_eps, hc_eps)
     if sinkhorn_iters < 1:
         raise ValueError(f"sinkhorn_iters: {sinkhorn_iters} must be >= 1")
-    run = hc_coeffs_triton if runtime.use_triton(x) else hc_coeffs_ref
-    return run(x, fn, base, scale, norm_eps=norm_eps, hc_eps=hc_eps, sinkhorn_iters=sinkhorn_iters)
+    return t, n, d
 
 
 def hc_head_coeffs(
@@ -197,6 +240,26 @@ def hc_head_coeffs_ref(
     return torch.sigmoid(_normed_mix(x, fn, norm_eps) * scale + base) + hc_eps
 
 
+def hc_mix_ref(
+    x: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    *,
+    norm_eps: float,
+    hc_eps: float,
+    sinkhorn_iters: int,
+    input_weight: torch.Tensor | None,
+    input_eps: float,
+    carry: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    pre, post, comb = hc_coeffs_ref(
+        x, fn, base, scale, norm_eps=norm_eps, hc_eps=hc_eps, sinkhorn_iters=sinkhorn_iters
+    )
+    h = hc_collapse_ref(x, pre if carry is None else carry, input_weight, input_eps)
+    return pre, post, comb, h
+
+
 def hc_collapse_ref(
     x: torch.Tensor, pre: torch.Tensor, norm_weight: torch.Tensor | None = None, norm_eps: float | None = None
 ) -> torch.Tensor:
@@ -220,13 +283,20 @@ def _hc_mix_kernel(
     pre_ptr,
     post_ptr,
     comb_ptr,
+    carry_ptr,
+    w_ptr,
+    h_ptr,
     T,
     n,
     K,
     norm_eps,
     hc_eps,
     iters,
+    input_eps,
     HEAD: tl.constexpr,
+    COLLAPSE: tl.constexpr,
+    CARRIED: tl.constexpr,
+    WEIGHTED: tl.constexpr,
     NP: tl.constexpr,
     R_PAD: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -288,6 +358,36 @@ def _hc_mix_kernel(
                 comb = comb / (tl.sum(comb, axis=2)[:, :, None] + hc_eps)
             tok3 = tok[:, None, None]
             tl.store(comb_ptr + tok3 * n * n + r3 * n + j3, comb, mask=(tok3 < T) & (r3 < n) & (j3 < n))
+        if COLLAPSE:
+            if CARRIED:
+                pre = tl.load(carry_ptr + tok[:, None] * n + jj[None, :], mask=out_ok, other=0.0)
+            D = K // n
+            # Column tiles of their own: at BLOCK_K = 64 the sweeps would overflow the unified buffer.
+            sq = tl.zeros([BLOCK_T, _COLLAPSE_COLS], dtype=tl.float32)
+            for c0 in range(0, D, _COLLAPSE_COLS):
+                y = _collapsed_tile(x_ptr, pre, tok, tok_ok, n, D, c0 + tl.arange(0, _COLLAPSE_COLS), NP)
+                sq += y * y
+            rstd = rms_factor(tl.sum(sq, axis=1), D, input_eps)
+            for c0 in range(0, D, _COLLAPSE_COLS):
+                cols = c0 + tl.arange(0, _COLLAPSE_COLS)
+                y = _collapsed_tile(x_ptr, pre, tok, tok_ok, n, D, cols, NP) * rstd[:, None]
+                if WEIGHTED:
+                    y = y * tl.load(w_ptr + cols, mask=cols < D, other=0.0)[None, :]
+                mask = tok_ok[:, None] & (cols[None, :] < D)
+                tl.store(h_ptr + tok[:, None] * D + cols[None, :], y.to(h_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _collapsed_tile(x_ptr, pre, tok, tok_ok, n, D, cols, NP: tl.constexpr):
+    """Columns ``cols`` of the tokens' collapse by ``pre [BLOCK_T, NP]``, rounded to the dtype of ``x``
+    (``_collapsed`` for a block of tokens)."""
+    mask = tok_ok[:, None] & (cols[None, :] < D)
+    acc = tl.zeros([tok.shape[0], cols.shape[0]], dtype=tl.float32)
+    for k in range(n):
+        xk = tl.load(x_ptr + (tok[:, None] * n + k) * D + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        weight = tl.sum(tl.where(tl.arange(0, NP)[None, :] == k, pre, 0.0), axis=1)
+        acc += weight[:, None] * xk
+    return acc.to(x_ptr.dtype.element_ty).to(tl.float32)
 
 
 def _mix_layout(n: int) -> tuple[int, int]:
@@ -305,25 +405,35 @@ def _launch_mix(
     hc_eps: float,
     iters: int,
     head: bool,
+    collapse: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, float] | None = None,
 ) -> None:
+    """``collapse``: (its output ``[T, D]``, carry, the norm's weight, its eps), for ``hc_mix``."""
     t, n, d = x.shape
     if t == 0:
         return
     fn, base, scale = (p.contiguous() for p in params)
     np_, r_pad = _mix_layout(n)
+    h, carry, weight, eps = collapse or (outs[0], None, None, 1.0)  # without it, never touched
     _hc_mix_tuned[lambda meta: _hc_mix_tuned.grid(triton.cdiv(t, meta["BLOCK_T"]))](
         x.contiguous(),
         fn,
         base,
         scale,
         *outs,
+        outs[0] if carry is None else carry.contiguous(),
+        outs[0] if weight is None else weight,
+        h,
         t,
         n,
         n * d,
         norm_eps,
         hc_eps,
         iters,
+        eps,
         HEAD=head,
+        COLLAPSE=collapse is not None,
+        CARRIED=carry is not None,
+        WEIGHTED=weight is not None,
         NP=np_,
         R_PAD=r_pad,
     )
@@ -344,6 +454,28 @@ def hc_coeffs_triton(
     comb = torch.empty((t, n, n), dtype=torch.float32, device=x.device)
     _launch_mix(x, (fn, base, scale), (pre, post, comb), norm_eps, hc_eps, sinkhorn_iters, head=False)
     return pre, post, comb
+
+
+def hc_mix_triton(
+    x: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    *,
+    norm_eps: float,
+    hc_eps: float,
+    sinkhorn_iters: int,
+    input_weight: torch.Tensor | None,
+    input_eps: float,
+    carry: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    t, n, d = x.shape
+    pre, post = (torch.empty((t, n), dtype=torch.float32, device=x.device) for _ in range(2))
+    comb = torch.empty((t, n, n), dtype=torch.float32, device=x.device)
+    h = torch.empty((t, d), dtype=x.dtype, device=x.device)
+    collapse = (h, carry, input_weight, input_eps)
+    _launch_mix(x, (fn, base, scale), (pre, post, comb), norm_eps, hc_eps, sinkhorn_iters, False, collapse)
+    return pre, post, comb, h
 
 
 def hc_head_coeffs_triton(
@@ -500,8 +632,10 @@ _INTS = dict.fromkeys(("T", "n"), "i32")
 
 
 def _mix_signature(x: str) -> dict[str, str]:
-    ptrs = dict.fromkeys(("fn_ptr", "base_ptr", "scale_ptr", "pre_ptr", "post_ptr", "comb_ptr"), "*fp32")
-    return {"x_ptr": x, **ptrs, **_INTS, "K": "i32", "norm_eps": "fp32", "hc_eps": "fp32", "iters": "i32"}
+    names = ("fn_ptr", "base_ptr", "scale_ptr", "pre_ptr", "post_ptr", "comb_ptr", "carry_ptr", "w_ptr")
+    ptrs = {**dict.fromkeys(names, "*fp32"), "h_ptr": x}
+    scalars = {"norm_eps": "fp32", "hc_eps": "fp32", "iters": "i32", "input_eps": "fp32"}
+    return {"x_ptr": x, **ptrs, **_INTS, "K": "i32", **scalars}
 
 
 def _collapse_signature(x: str) -> dict[str, str]:
@@ -526,9 +660,21 @@ _hc_mix_tuned = tuning.TunedKernel(
     _hc_mix_kernel,
     _MIX_CONFIGS,
     key=["n", "K", "HEAD"],
+    # The coefficients alone (the hc_head's too), and with the sublayer's input (V4's own pre, V4.1's
+    # carry; its norm weighted).
     variants=tuple(
-        Variant({"HEAD": head, "NP": _NP, "R_PAD": _R_PAD}, tuple(_mix_signature(x) for x in _X))
-        for head in (0, 1)
+        Variant(
+            {
+                "HEAD": head,
+                "COLLAPSE": collapse,
+                "CARRIED": carried,
+                "WEIGHTED": collapse,
+                "NP": _NP,
+                "R_PAD": _R_PAD,
+            },
+            tuple(_mix_signature(x) for x in _X),
+        )  # fmt: skip
+        for head, collapse, carried in ((0, 0, 0), (1, 0, 0), (0, 1, 0), (0, 1, 1))
     ),
     uses_cube=True,
 )

@@ -176,6 +176,33 @@ def test_collapse_with_its_norm_is_the_norm_of_the_collapse(
         torch.testing.assert_close(out, expected, **tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("carried", [False, True], ids=["own-pre", "carry"])
+@pytest.mark.parametrize(("t", "n", "d"), [(19, 4, 100), (3, 2, 48)])
+def test_mix_with_the_sublayer_input_is_the_coefficients_then_the_normed_collapse(
+    t: int, n: int, d: int, dtype: torch.dtype, carried: bool
+) -> None:
+    """One launch gives hc_coeffs and hc_collapse with the norm (by pre, or by a carried pre-mix), for a
+    partial token block (19) and columns past a collapse tile (100), by every config."""
+    x, p = _streams(t, n, d, dtype), _params((2 + n) * n, n, d, 3, seed=t)
+    weight = torch.rand(d, generator=torch.Generator().manual_seed(d)) + 0.5
+    carry = torch.rand(t, n, generator=torch.Generator().manual_seed(1)) if carried else None
+    kwargs = {"norm_eps": NORM_EPS, "hc_eps": HC_EPS, "sinkhorn_iters": ITERS}
+    pre, post, comb = mhc.hc_coeffs_ref(x, p.fn, p.base, p.scale, **kwargs)
+    h = mhc.hc_collapse_ref(x, pre if carry is None else carry, weight, 1e-6)
+    mix = {**kwargs, "input_weight": weight, "input_eps": 1e-6, "carry": carry}
+    for out, ref in zip(mhc.hc_mix_ref(x, p.fn, p.base, p.scale, **mix), (pre, post, comb, h), strict=True):
+        assert torch.equal(out, ref)
+    tol = {"rtol": 2**-6, "atol": 2**-6} if dtype == torch.bfloat16 else {}
+    for config in mhc._MIX_CONFIGS:
+        with mhc._hc_mix_tuned.forced(config):
+            got = mhc.hc_mix_triton(x, p.fn, p.base, p.scale, **mix)
+        for out, ref in zip(got[:3], (pre, post, comb), strict=True):
+            torch.testing.assert_close(out, ref)
+        assert got[3].dtype == dtype
+        torch.testing.assert_close(got[3], h, **tol)
+
+
 def test_update_uses_comb_transposed() -> None:
     x = torch.zeros(1, 2, 1)
     x[0, 0, 0] = 1.0  # only stream 0 carries signal
@@ -201,6 +228,12 @@ def test_public_ops_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 _X = torch.zeros(2, 4, 8)
+
+
+def _mix_with(**override):
+    good = {"x": _X, "fn": torch.zeros(24, 32), "base": torch.zeros(24), "scale": torch.ones(3)}
+    coeffs = {"norm_eps": NORM_EPS, "hc_eps": HC_EPS, "sinkhorn_iters": ITERS}
+    return mhc.hc_mix(**{**good, **coeffs, "input_weight": torch.ones(8), "input_eps": 1e-6, **override})
 
 
 def _coeffs_with(**override):
@@ -238,6 +271,9 @@ def _update_with(**override):
         (lambda: _head_with(fn=torch.zeros(24, 32)), r"fn: .* must be torch.float32 \(4, 32\)"),
         (lambda: _head_with(scale=torch.ones(3)), r"scale: .* must be torch.float32 \(1,\)"),
         (lambda: mhc.hc_collapse(_X, torch.ones(3, 4)), r"pre: .* must be torch.float32 \(2, 4\)"),
+        (lambda: _mix_with(carry=torch.ones(2, 3)), r"carry: .* must be torch.float32 \(2, 4\)"),
+        (lambda: _mix_with(input_weight=torch.ones(7)), r"weight: shape \(7,\) must be \(8,\)"),
+        (lambda: _mix_with(fn=torch.zeros(24, 31)), r"fn: .*\(24, 31\).* must be torch.float32 \(24, 32\)"),
         (lambda: mhc.hc_collapse(_X, torch.ones(2, 4), torch.ones(8)), "norm_weight: given without norm_eps"),
         (
             lambda: mhc.hc_collapse(_X, torch.ones(2, 4), torch.ones(7), 1e-6),
