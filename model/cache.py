@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from model.compressor import CompressorState
 from model.config import ModelConfig
-from model.plan import build_plan
+from model.plan import Attention, build_plan
 from triton_kernels.compressor import CompressBatch, CompressorStates, closing_first
 from triton_kernels.custom_ops import block_slots, store_quantized, store_rows
 from triton_kernels.indexer import KeyPool
@@ -356,6 +356,16 @@ class CompressMeta:
     numbers: torch.Tensor  # [T], -1 where no window closes
 
 
+@dataclass(frozen=True)
+class EntryMeta:
+    """One compressed group's per-step metadata, built on the host with the batch (every layer of the
+    group reads it; a graph copies it in with the step's other tensors)."""
+
+    visible: torch.Tensor  # [T] int32: the entries each token sees, (position + 1) // ratio
+    key_table: torch.Tensor  # [B, blocks] int32: the block table up to the last block any token sees
+    every: torch.Tensor | None  # [T, max_entries] int32: every entry each token sees, -1 beyond (HCA)
+
+
 Effect = Callable[..., None]
 
 
@@ -375,6 +385,7 @@ class Batch:
     padding: int = 0  # trailing rows of ``seqs`` that are padding
     compress: dict[int, CompressMeta] = field(default_factory=dict)  # by ratio, with ``shape`` only
     engram_history: torch.Tensor | None = None  # [B, N_max - 1] look-backs, -1 first; ``shape`` only
+    entries: dict[int, EntryMeta] = field(default_factory=dict)  # by compress ratio
     # What the step leaves to the host: each run with the batch and its tensors once the forward is done.
     effects: list[tuple[Effect, tuple[torch.Tensor, ...]]] = field(default_factory=list)
     shared: dict[tuple, Any] = field(default_factory=dict)  # metadata every layer of the step reads
@@ -416,6 +427,8 @@ class Batch:
                     request.to(torch.int32), tables, positions, back, shape, padding)  # fmt: skip
         batch.window_write = batch.slots("window", request, positions)
         batch.window_read = batch.slots("window", request, back)
+        every = {p.compress_ratio for p in build_plan(pools.cfg) if p.attention is Attention.HCA}
+        batch.entries = {g.ratio: batch._entry_meta(g.ratio, g.ratio in every) for g in pools.groups[1:]}
         if shape is not None:
             batch.compress = {
                 g.ratio: _compress_meta(g.ratio, shape, positions, request) for g in pools.groups[1:]
@@ -432,7 +445,9 @@ class Batch:
         ]
         history = [] if self.engram_history is None else [self.engram_history]
         tables = [self.tables[g.name] for g in self.pools.groups]
-        return [self.positions, self.request, self.window_write, self.window_read, *tables, *metas, *history]
+        entries = [t for _, m in sorted(self.entries.items()) for t in vars(m).values() if t is not None]
+        head = [self.positions, self.request, self.window_write, self.window_read]
+        return [*head, *tables, *metas, *history, *entries]
 
     def after(self, effect: Effect, *tensors: torch.Tensor) -> None:
         """Run ``effect(batch, *tensors)``, host bookkeeping of the forward: at once, or with ``shape`` once
@@ -460,6 +475,10 @@ class Batch:
         }  # fmt: skip
         if self.engram_history is not None:
             self.engram_history = self.engram_history.to(device)
+        self.entries = {
+            r: EntryMeta(*(None if t is None else t.to(device) for t in vars(m).values()))
+            for r, m in self.entries.items()
+        }
         return self
 
     def slots(self, group: str, request: torch.Tensor, numbers: torch.Tensor) -> torch.Tensor:
@@ -475,7 +494,18 @@ class Batch:
 
     def visible(self, ratio: int) -> torch.Tensor:
         """Entries visible to each token (int32): entry g is visible at position t iff g < (t+1) // ratio."""
-        return self.once(("visible", ratio), lambda: ((self.positions + 1) // ratio).to(torch.int32))
+        return self.entries[ratio].visible
+
+    def _entry_meta(self, ratio: int, every: bool) -> EntryMeta:
+        visible = ((self.positions + 1) // ratio).to(torch.int32)
+        name, entries = group_name(ratio), self.max_entries(ratio)
+        blocks = -(-entries // self.pools.slots_per_block[name])
+        numbers = torch.arange(entries, dtype=torch.int32).expand(len(self.positions), -1)
+        return EntryMeta(
+            visible,
+            self.tables[name][:, :blocks].to(torch.int32),
+            numbers.masked_fill(numbers >= visible[:, None], -1) if every else None,
+        )
 
     def advance(self) -> None:
         """The call is done: every request has seen its tokens."""
@@ -507,14 +537,11 @@ class Batch:
         )
 
     def every_visible_entry(self, ratio: int) -> torch.Tensor:
-        """Entry numbers ``[T, max_entries]`` of every entry each token sees, ``-1`` beyond."""
-
-        def make() -> torch.Tensor:
-            numbers = torch.arange(self.max_entries(ratio), dtype=torch.int32, device=self.positions.device)
-            numbers = numbers.expand(len(self.positions), -1)
-            return numbers.masked_fill(numbers >= self.visible(ratio)[:, None], -1)
-
-        return self.once(("every_visible_entry", ratio), make)
+        """Entry numbers ``[T, max_entries]`` of every entry each token sees, ``-1`` beyond (HCA layers)."""
+        every = self.entries[ratio].every
+        if every is None:
+            raise ValueError(f"ratio {ratio}: no HCA layer compresses at it, so no entry list was built")
+        return every
 
     def entry_slots(self, ratio: int, numbers: torch.Tensor) -> torch.Tensor:
         """Slots of each token's entry numbers ``[T, K]`` in its request's compressed group."""
@@ -542,11 +569,8 @@ class Batch:
         The table stops at the last block holding an entry visible in this call: the ops score every
         column of it, and the tables are padded to the longest group's (the window's) width."""
         name = group_name(ratio)
-        per_block = self.pools.slots_per_block[name]
-        blocks = -(-self.max_entries(ratio) // per_block)
-        table = self.once(("key_table", ratio), lambda: self.tables[name][:, :blocks].to(torch.int32))
         keys = self.pools.index_keys[layer]
-        return KeyPool(keys.data, table, per_block, keys.scale)
+        return KeyPool(keys.data, self.entries[ratio].key_table, self.pools.slots_per_block[name], keys.scale)
 
 
 def _compress_meta(

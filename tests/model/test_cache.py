@@ -94,3 +94,29 @@ def test_pools_refuse_a_layout_computed_for_other_groups():
         KVPools(cfg, bf16_layout, 2, torch.float32, torch.device("cpu"))
     pools = KVPools(cfg, bf16_layout, 2, torch.bfloat16, torch.device("cpu"))
     assert pools.slots_per_block is bf16_layout.slots_per_block
+
+
+def test_the_entries_each_token_sees_are_built_once_on_the_host():
+    """Per compressed group: the visible counts, the key table up to the last block any token sees, and
+    (for the ratios of HCA layers only) the list of every visible entry, -1 beyond."""
+    cfg = ModelConfig.from_dict(toy_config("v4"))
+    pools = KVPools(cfg, CacheLayout.for_model(cfg, torch.float32, 16), 8, torch.float32, torch.device("cpu"))
+    seqs = [SeqCache({g.name: [i, 7 - i] for g in pools.groups}) for i in range(2)]
+    seqs[1].num_tokens = 300  # past two windows of 128
+    batch = Batch.build(pools, seqs, [6, 3], torch.device("cpu"))
+    hca = {p.compress_ratio for p in build_plan(cfg) if p.attention.name == "HCA"}
+    assert set(batch.entries) == {g.ratio for g in pools.groups[1:]} and hca
+    for ratio, meta in batch.entries.items():
+        assert torch.equal(meta.visible, ((batch.positions + 1) // ratio).int())
+        per_block = pools.slots_per_block[group_name(ratio)]
+        blocks = -(-batch.max_entries(ratio) // per_block)
+        assert torch.equal(meta.key_table, batch.tables[group_name(ratio)][:, :blocks].int())
+        if ratio not in hca:
+            assert meta.every is None
+            with pytest.raises(ValueError, match=f"ratio {ratio}: no HCA layer compresses at it"):
+                batch.every_visible_entry(ratio)
+            continue
+        assert meta.visible.max() > 0
+        for t, seen in enumerate(meta.visible.tolist()):
+            row = meta.every[t].tolist()
+            assert row == list(range(seen)) + [-1] * (len(row) - seen)
