@@ -132,8 +132,8 @@ def _route_kernel(
         scores = _sqrt_softplus(logits / temp)
         chosen = tl.zeros([BLOCK_S, K_PAD], dtype=tl.float32)
         weights = tl.zeros([BLOCK_S, K_PAD], dtype=tl.float32)
+        out = live[:, None] & (slots < K)[None, :]
         if HASHED:
-            out = live[:, None] & (slots < K)[None, :]
             ids = tl.load(hashed_ptr + rows[:, None] * K + slots[None, :], mask=out, other=0)
             chosen = ids.to(tl.float32)
         else:
@@ -151,7 +151,6 @@ def _route_kernel(
         if NORMALIZE:
             weights = weights / (tl.sum(weights, axis=1)[:, None] + 1e-20)
         weights = weights * scaling
-        out = live[:, None] & (slots < K)[None, :]
         tl.store(weights_ptr + rows[:, None] * K + slots[None, :], weights, mask=out)
         if not HASHED:
             tl.store(picked_ptr + rows[:, None] * K + slots[None, :], chosen.to(tl.int64), mask=out)
