@@ -16,6 +16,7 @@ from model.compressor import Compressor
 from model.config import ModelConfig
 from model.layers import RMSNorm, linear
 from model.plan import LayerPlan
+from model.quant_linear import StackedRows, stack_rows
 from triton_kernels.custom_ops import (
     apply_rope,
     indexer_logits,
@@ -97,6 +98,7 @@ class SharedKVAttention(nn.Module):
         self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
         self.wq_b = linear(cfg.q_lora_rank, self.heads * self.head_dim)
         self.wkv = linear(cfg.hidden_size, self.head_dim)
+        self.q_kv: StackedRows | None = None
         self.kv_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.wo_a = linear(self.heads * self.head_dim // self.groups, self.groups * cfg.o_lora_rank)
         self.wo_b = linear(self.groups * cfg.o_lora_rank, cfg.hidden_size)
@@ -111,10 +113,15 @@ class SharedKVAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``q_r [T, q_r]`` (also the indexer's input), rotated queries ``[T, H, d]`` and keys ``[T, d]``
         (also stored into ``store``, a cache pool and slots, by the same op)."""
-        q_r = self.q_norm(self.wq_a(x))
+        q_a, kv = (self.wq_a(x), self.wkv(x)) if self.q_kv is None else self.q_kv(x)
+        q_r = self.q_norm(q_a)
         q = self.wq_b(q_r).view(x.shape[0], self.heads, self.head_dim)
         q = apply_rope(q, positions, inv_freq, norm_eps=self.eps if self.head_norm else None)
-        return q_r, q, self.kv_norm.rotated(self.wkv(x), positions, inv_freq, store)
+        return q_r, q, self.kv_norm.rotated(kv, positions, inv_freq, store)
+
+    def stack_projections(self) -> None:
+        """``wq_a`` and ``wkv`` (both of ``x``) as one GEMM (before the weights load into its rows)."""
+        self.q_kv = stack_rows(self.wq_a, self.wkv)
 
     def project_window(
         self, x: torch.Tensor, batch: Batch, inv_freq: torch.Tensor

@@ -272,6 +272,9 @@ def load_model(
     there and copies only those to ``device``."""
     model, stored, shard = plan_shard(path, dtype, quantization, parallel)
     model = model.to_empty(device=device)
+    for module in model.modules():  # the projections of one input that run as one GEMM
+        if hasattr(module, "stack_projections"):
+            module.stack_projections()
     if engram_offload:
         for module in model.modules():
             if isinstance(module, Engram):

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from model.layers import RMSNorm, linear
+from model.quant_linear import StackedRows, stack_rows
 from triton_kernels.compressor import CompressBatch, CompressorParams, CompressorStates
 from triton_kernels.custom_ops import compress
 
@@ -87,6 +88,12 @@ class Compressor(nn.Module):
         if ape:
             self.ape = nn.Parameter(torch.empty(ratio, width))
         self.norm = RMSNorm(dim, eps)
+        self.kv_gate: StackedRows | None = None
+
+    def stack_projections(self) -> None:
+        """``wkv`` and ``wgate`` as one GEMM (before the weights load into its rows)."""
+        if self.ratio > 1:
+            self.kv_gate = stack_rows(self.wkv, self.wgate)
 
     def new_state(self, device: torch.device) -> CompressorState:
         return CompressorState(CompressorStates.empty(1, self.ratio, self.dim, self.overlap, device))
@@ -161,7 +168,10 @@ class Compressor(nn.Module):
         params = CompressorParams(
             self.ratio, self.overlap, self.norm.weight, self.norm.eps, getattr(self, "ape", None), inv_freq
         )
-        kv, gate = self.wkv(x), self.wgate(x) if self.ratio > 1 else None
+        if self.kv_gate is not None:
+            kv, gate = self.kv_gate(x)
+        else:
+            kv, gate = self.wkv(x), self.wgate(x) if self.ratio > 1 else None
         entries = torch.empty(rows, self.dim, device=x.device)
         compress(kv, gate, batch, stacked, params, entries)
         return params, kv, gate, entries

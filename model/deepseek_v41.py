@@ -114,8 +114,9 @@ class DeepseekV41(nn.Module):
             x, carry = layer(x, carry, ids, batch, self.rope(layer.plan.rope), published)
         batch.advance()
         hidden = hc_collapse(x, carry)
-        empty = hidden.new_zeros(ids.shape[0], 0, cfg.hidden_size)
-        return Forward41(hidden, torch.stack(features, dim=1) if features else empty)
+        if not features:
+            return Forward41(hidden, hidden.new_zeros(ids.shape[0], 0, cfg.hidden_size))
+        return Forward41(hidden, torch.stack(features, dim=1))
 
     def _engram_buckets(self, ids: torch.Tensor, batch: Batch) -> torch.Tensor | None:
         """Each request's n-gram bucket ids, hashed with its look-back history."""

@@ -13,7 +13,7 @@ from torch import nn
 from model.config import ModelConfig
 from model.layers import linear
 from model.plan import LayerPlan
-from model.quant_linear import StackedExperts
+from model.quant_linear import StackedExperts, StackedRows, stack_rows
 from triton_kernels.custom_ops import route, swiglu
 
 
@@ -24,9 +24,15 @@ class Expert(nn.Module):
         super().__init__()
         self.limit = limit
         self.w1, self.w2, self.w3 = linear(hidden, inter), linear(inter, hidden), linear(hidden, inter)
+        self.gate_up: StackedRows | None = None
+
+    def stack_projections(self) -> None:
+        """``w1`` and ``w3`` as one GEMM (before the weights load: they load into its rows)."""
+        self.gate_up = stack_rows(self.w1, self.w3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(swiglu(self.w1(x), self.w3(x), self.limit))
+        gate, up = (self.w1(x), self.w3(x)) if self.gate_up is None else self.gate_up(x)
+        return self.w2(swiglu(gate, up, self.limit))
 
 
 class Gate(nn.Module):

@@ -150,6 +150,69 @@ def _expert_tensors(fmt: str, out: int, inp: int, block: int, bias_columns: int)
     }[fmt]
 
 
+class StackedRows(nn.Module):
+    """Linears of one input and one format run as one GEMM over their output rows stacked: every tensor
+    of each linear becomes a view of its rows in the stacked one, so what is loaded into the linears
+    fills it. It holds no tensor of its own in the state dict (the linears hold them)."""
+
+    def __init__(self, joint: nn.Module, widths: tuple[int, ...]):
+        super().__init__()
+        self.joint, self.widths = joint, widths
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Each linear's output, a column range of the one GEMM's (a view)."""
+        return self.joint(x).split(self.widths, dim=-1)
+
+    def state_dict(self, *args: object, destination: dict | None = None, **kwargs: object) -> dict:
+        """Nothing: the linears' tensors (views of the stacked ones) are the checkpoint's."""
+        return {} if destination is None else destination
+
+
+def stack_rows(*linears: nn.Module) -> StackedRows | None:
+    """The linears as one ``StackedRows``, their tensors made views of its; None where they cannot
+    stack: other classes, inputs or dtypes, or FP8 blocks of scales that a linear's rows would split."""
+    first = linears[0]
+    widths = tuple(linear.out_features for linear in linears)
+    if any(type(m) is not type(first) or m.in_features != first.in_features for m in linears):
+        return None
+    joint = _joint_like(first, widths)
+    if joint is None:
+        return None
+    joint = joint.to_empty(device=first.weight.device)
+    tensors = {k: t for k, t in {**joint._parameters, **joint._buffers}.items() if t is not None}
+    for name, whole in tensors.items():
+        parts = [getattr(m, name) for m in linears]
+        if sum(t.shape[0] for t in parts) != whole.shape[0] or any(
+            t.shape[1:] != whole.shape[1:] or t.dtype != whole.dtype for t in parts
+        ):
+            return None
+    for name, whole in tensors.items():
+        start = 0
+        for m in linears:
+            rows = getattr(m, name).shape[0]
+            view = whole.data[start : start + rows]
+            view.copy_(getattr(m, name).data)  # what the linear holds already, if anything
+            if name in m._parameters:
+                m._parameters[name] = nn.Parameter(view, requires_grad=False)
+            else:
+                m._buffers[name] = view
+            start += rows
+    return StackedRows(joint, widths)
+
+
+def _joint_like(m: nn.Module, widths: tuple[int, ...]) -> nn.Module | None:
+    """An empty linear of ``m``'s class and input for the rows ``widths``, on ``meta``."""
+    out = sum(widths)
+    with torch.device("meta"):
+        if isinstance(m, Fp8Linear):  # a linear's rows must start on a block of scales
+            return (
+                Fp8Linear(m.in_features, out, m.block) if all(w % m.block == 0 for w in widths[:-1]) else None
+            )
+        if type(m) in (Mxfp4Linear, Int8Linear):
+            return type(m)(m.in_features, out)
+        return DenseLinear(m.in_features, out).to(m.weight.dtype) if type(m) is DenseLinear else None
+
+
 class StackedExperts(nn.Module):
     """A MoE layer's routed experts in any stored format (dense, FP8, MXFP4, int8 W8A8, int4 W4A8), each
     projection stacked over the experts (``w1`` / ``w3`` ``[E, I, ...]``, ``w2`` ``[E, D, ...]``, with their

@@ -387,11 +387,13 @@ def _token_rows(
     start,
     sid,
     W,
+    SX,
     R,
     ape_row,
     HAS_APE: tl.constexpr,
 ):
-    """Raw kv and gate (plus ``ape``) of the tokens at positions ``tok`` and columns ``cols`` (2-D offsets).
+    """Raw kv and gate (plus ``ape``) of the tokens at positions ``tok`` and columns ``cols`` (2-D offsets);
+    ``kv`` / ``gate`` rows ``SX`` apart, buffered and ``ape`` rows ``W``.
 
     A token at or after ``start`` is a new row; an earlier one of the open window is a buffered row.
     Rows that are neither (or not ``ok``) read as 0. ``ape_row`` is ``tok % R`` wherever ``tok >= 0``.
@@ -399,7 +401,7 @@ def _token_rows(
     open_start = start - start % R
     new = (ok & (tok >= start))[:, None] & col_ok
     held = (ok & (tok < start) & (tok >= open_start))[:, None] & col_ok
-    new_off = (first_row + tok - start)[:, None] * W + cols
+    new_off = (first_row + tok - start)[:, None] * SX + cols
     held_off = (sid * (R - 1) + tok - open_start)[:, None] * W + cols
     x = tl.load(kv_ptr + new_off, mask=new, other=0.0).to(tl.float32)
     x += tl.load(bkv_ptr + held_off, mask=held, other=0.0)
@@ -428,6 +430,7 @@ def _pool_window(
     ogate_ptr,
     C,
     W,
+    SX,
     R,
     OVERLAP: tl.constexpr,
     HAS_APE: tl.constexpr,
@@ -464,6 +467,7 @@ def _pool_window(
             start,
             sid,
             W,
+            SX,
             R,
             k % R,
             HAS_APE,
@@ -506,6 +510,7 @@ def _compress_kernel(
     N,
     C,
     W,
+    SX,
     R,
     P,
     eps,
@@ -544,6 +549,7 @@ def _compress_kernel(
                     ogate_ptr,
                     C,
                     W,
+                    SX,
                     R,
                     OVERLAP,
                     HAS_APE,
@@ -551,7 +557,7 @@ def _compress_kernel(
                     BLOCK_S,
                 )
             else:  # ratio 1: the entry is the token's own kv, normed
-                pooled = tl.load(kv_ptr + i * W + c, mask=c_ok, other=0.0).to(tl.float32)
+                pooled = tl.load(kv_ptr + i * SX + c, mask=c_ok, other=0.0).to(tl.float32)
             y = pooled * rms_factor(tl.sum(pooled * pooled, axis=0), C, eps) * weight
             if ROPE:
                 ws = ws_ptr + tl.program_id(0) * CP
@@ -578,6 +584,7 @@ def _compress_state_kernel(
     n_req,
     C,
     W,
+    SX,
     R,
     OVERLAP: tl.constexpr,
     HAS_APE: tl.constexpr,
@@ -612,6 +619,7 @@ def _compress_state_kernel(
                         start,
                         sid,
                         W,
+                        SX,
                         R,
                         k % R,
                         HAS_APE,
@@ -626,7 +634,7 @@ def _compress_state_kernel(
         for s0 in range(first_new, end - new_open, BLOCK_S):
             s = s0 + tl.arange(0, BLOCK_S)
             mask = (s < end - new_open)[:, None] & (cols < W)[None, :]
-            src = (first_row + new_open + s - start)[:, None] * W + cols[None, :]
+            src = (first_row + new_open + s - start)[:, None] * SX + cols[None, :]
             dst = (sid * (R - 1) + s)[:, None] * W + cols[None, :]
             tl.store(bkv_ptr + dst, tl.load(kv_ptr + src, mask=mask).to(tl.float32), mask=mask)
             tl.store(bgate_ptr + dst, tl.load(gate_ptr + src, mask=mask).to(tl.float32), mask=mask)
@@ -646,9 +654,11 @@ def compress_triton(
     if n == 0:
         return
     r, c = params.ratio, params.norm_weight.numel()
-    kv = kv.contiguous()
+    # Rows at one stride for both (the column ranges of one GEMM's output), columns contiguous.
+    if kv.stride(1) != 1 or (gate is not None and (gate.stride(1) != 1 or gate.stride(0) != kv.stride(0))):
+        kv, gate = kv.contiguous(), None if gate is None else gate.contiguous()
     dummy = params.norm_weight  # stands in for every pointer a variant never reads
-    gate = kv if gate is None else gate.contiguous()
+    gate = kv if gate is None else gate
     ape = dummy if params.ape is None else params.ape.contiguous()
     bkv, bgate, okv, ogate = (
         (dummy if x is None else x for x in vars(states).values()) if states else [dummy] * 4
@@ -682,6 +692,7 @@ def compress_triton(
         n,
         c,
         width,
+        kv.stride(0),
         r,
         p,
         params.eps,
@@ -708,6 +719,7 @@ def compress_triton(
         reqs,
         c,
         width,
+        kv.stride(0),
         r,
         OVERLAP=params.overlap,
         HAS_APE=params.ape is not None,
@@ -748,7 +760,7 @@ def _compress_signature(x: str, out: str) -> dict[str, str]:
         **dict.fromkeys(("req_ptr", "order_ptr", "cu_ptr", "start_ptr", "sid_ptr", "slot_ptr"), "*i32"),
         "out_ptr": out,
         **dict.fromkeys(("oscale_ptr", "ws_ptr"), "*fp32"),
-        **dict.fromkeys(("N", "C", "W", "R", "P"), "i32"),
+        **dict.fromkeys(("N", "C", "W", "SX", "R", "P"), "i32"),
         "eps": "fp32",
     }
 
@@ -758,7 +770,7 @@ def _state_signature(x: str) -> dict[str, str]:
         **dict.fromkeys(("kv_ptr", "gate_ptr"), x),
         **dict.fromkeys(("ape_ptr", "bkv_ptr", "bgate_ptr", "okv_ptr", "ogate_ptr"), "*fp32"),
         **dict.fromkeys(("cu_ptr", "start_ptr", "sid_ptr"), "*i32"),
-        **dict.fromkeys(("n_req", "C", "W", "R"), "i32"),
+        **dict.fromkeys(("n_req", "C", "W", "SX", "R"), "i32"),
     }
 
 

@@ -181,25 +181,33 @@ def swiglu_ref(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> tor
     return (torch.nn.functional.silu(g) * u).to(gate.dtype)
 
 
-@triton.jit(do_not_specialize=["N"])
-def _swiglu_kernel(gate_ptr, up_ptr, out_ptr, N, limit, CLAMP: tl.constexpr, BLOCK: tl.constexpr):
-    for task in range(tl.program_id(0), tl.cdiv(N, BLOCK), tl.num_programs(0)):
-        at = task * BLOCK + tl.arange(0, BLOCK)
-        g = tl.load(gate_ptr + at, mask=at < N, other=0.0).to(tl.float32)
-        u = tl.load(up_ptr + at, mask=at < N, other=0.0).to(tl.float32)
+@triton.jit(do_not_specialize=["M"])
+def _swiglu_kernel(
+    gate_ptr, up_ptr, out_ptr, M, N, gate_stride, up_stride, limit, CLAMP: tl.constexpr, BLOCK: tl.constexpr
+):
+    tiles = tl.cdiv(N, BLOCK)
+    for task in range(tl.program_id(0), M * tiles, tl.num_programs(0)):
+        row = task // tiles
+        cols = (task % tiles) * BLOCK + tl.arange(0, BLOCK)
+        g = tl.load(gate_ptr + row * gate_stride + cols, mask=cols < N, other=0.0).to(tl.float32)
+        u = tl.load(up_ptr + row * up_stride + cols, mask=cols < N, other=0.0).to(tl.float32)
         if CLAMP:
             g, u = tl.minimum(g, limit), tl.minimum(tl.maximum(u, -limit), limit)
-        tl.store(out_ptr + at, (g / (1.0 + tl.exp(-g)) * u).to(out_ptr.dtype.element_ty), mask=at < N)
+        out = (g / (1.0 + tl.exp(-g)) * u).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + row * N + cols, out, mask=cols < N)
 
 
 def swiglu_triton(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
-    gate, up = gate.contiguous(), up.contiguous()
-    out, n = torch.empty_like(gate), gate.numel()
-    if n:
+    # Rows at any stride (the column ranges of one GEMM's output), columns contiguous.
+    gate2, up2 = (t.reshape(-1, t.shape[-1]) if t.dim() else t.reshape(1, 1) for t in (gate, up))
+    gate2, up2 = (t if t.stride(-1) == 1 else t.contiguous() for t in (gate2, up2))
+    (m, n), out = gate2.shape, torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    if m * n:
         tuned = _swiglu_tuned
-        tuned[lambda meta: tuned.grid(triton.cdiv(n, meta["BLOCK"]))](
-            gate, up, out, n, 0.0 if limit is None else limit, CLAMP=limit is not None
-        )
+        tuned[lambda meta: tuned.grid(m * triton.cdiv(n, meta["BLOCK"]))](
+            gate2, up2, out, m, n, gate2.stride(0), up2.stride(0), 0.0 if limit is None else limit,
+            CLAMP=limit is not None,
+        )  # fmt: skip
     return out
 
 
@@ -634,7 +642,8 @@ _route_tuned = tuning.TunedKernel(
 
 
 def _swiglu_signature(x: str) -> dict[str, str]:
-    return {"gate_ptr": x, "up_ptr": x, "out_ptr": x, "N": "i32", "limit": "fp32"}
+    ints = dict.fromkeys(("M", "N", "gate_stride", "up_stride"), "i32")
+    return {"gate_ptr": x, "up_ptr": x, "out_ptr": x, **ints, "limit": "fp32"}
 
 
 # Per element: both inputs as loaded, their fp32 copies and the product.

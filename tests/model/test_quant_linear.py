@@ -8,7 +8,7 @@ import torch
 
 from model.checkpoint import load_model, stored_tensors
 from model.quant import dequantize_fp4, dequantize_fp8, quantize_fp4, quantize_fp8
-from model.quant_linear import DenseLinear, Fp8Linear, Int8Linear, Mxfp4Linear
+from model.quant_linear import DenseLinear, Fp8Linear, Int8Linear, Mxfp4Linear, stack_rows
 from model.testing.tiny import write_tiny
 from triton_kernels.quant import dequantize_int8, quantize_int8_ref
 
@@ -41,6 +41,46 @@ def test_each_format_equals_dequantise_then_dense(index):
         torch.testing.assert_close(packed, dense(x_ref), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(layer.grouped(x), dense.grouped(x_ref), rtol=1e-5, atol=1e-5)
     assert packed.shape == (5, 3, 96)
+
+
+def _pair(index: int) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """Two linears of one format over one input, filled from different weights."""
+    if index == 3:
+        dense = [DenseLinear(64, rows) for rows in (96, 40)]
+        for i, layer in enumerate(dense):
+            layer.weight.data = torch.randn(layer.weight.shape, generator=torch.Generator().manual_seed(i))
+        return dense[0], dense[1]
+    first, second = _layers()[index][0], _layers()[index][0]
+    for t in second.buffers():
+        t.copy_(t.flip(0))  # other rows (whole scale blocks move with their rows)
+    return first, second
+
+
+@pytest.mark.parametrize("index", range(4), ids=["fp8", "mxfp4", "int8", "dense"])
+def test_stacked_rows_give_each_linear_its_output_from_one_gemm(index):
+    """The linears' outputs from one GEMM over their stacked rows; their tensors become views of the
+    stacked ones (a load into them fills it), and the state dict keeps only their own names."""
+    first, second = _pair(index)
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = first(x), second(x)
+        names = {**first.state_dict(), **{f"b.{k}": v for k, v in second.state_dict().items()}}.keys()
+        stacked = stack_rows(first, second)
+        outs = stacked(x)
+    for out, want in zip(outs, expected, strict=True):
+        torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
+    joint = {t.untyped_storage().data_ptr() for t in stacked.joint.state_dict().values()}
+    for layer in (first, second):
+        assert {t.untyped_storage().data_ptr() for t in layer.state_dict().values()} <= joint
+    assert stacked.state_dict() == {}
+    assert {**first.state_dict(), **{f"b.{k}": v for k, v in second.state_dict().items()}}.keys() == names
+
+
+def test_rows_that_cannot_stack_stay_apart():
+    fp8 = _layers()[0][0]
+    assert stack_rows(Fp8Linear(64, 16, 32), fp8) is None  # 16 rows would split a block of scales
+    assert stack_rows(fp8, DenseLinear(64, 32)) is None  # two formats
+    assert stack_rows(DenseLinear(64, 32), DenseLinear(48, 32)) is None  # two inputs
 
 
 def test_fp8_rows_must_start_on_a_block():

@@ -183,7 +183,8 @@ def test_kernel_matches_reference_on_a_ragged_batch(
     ratio: int, starts: list[int], lengths: list[int], formats: str
 ) -> None:
     """Requests part-way through a window, with a window closed before, several closing now, none, a slot
-    left unstored; the state rows are not the batch order."""
+    left unstored; the state rows are not the batch order. The kernel reads kv and gate as the column
+    ranges of one projection's output (rows at its stride), as the model computes them."""
     params = _params(ratio)
     dtype = torch.bfloat16 if formats == "bf16" else torch.float32
     streams = [
@@ -215,7 +216,9 @@ def test_kernel_matches_reference_on_a_ragged_batch(
         out = torch.zeros(int(closes.sum()) + 1, C, dtype=pool_dtype)
         scale = torch.zeros(out.shape[0]) if formats == "int8" else None
         st = CompressorStates(*(None if x is None else x.clone() for x in vars(states).values()))
-        run(kv, gate, batch, st, params, out, scale)
+        stacked = run is compress_triton and gate is not None
+        run(*(torch.cat([kv, gate], dim=1).split(kv.shape[1], dim=1) if stacked else (kv, gate)),
+            batch, st, params, out, scale)  # fmt: skip
         results.append((out.float() if scale is None else dequantize_int8(out, scale), scale, st))
     (ref, ref_scale, ref_states), (got, got_scale, got_states) = results
     # int8: a value at a rounding boundary may land one step away.

@@ -262,6 +262,17 @@ def test_shared_expert_output_joins_the_combine(monkeypatch: pytest.MonkeyPatch)
         moe_gemm.moe_gemm(x, ids, weights, experts, shared.float())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swiglu_reads_the_column_ranges_of_one_projection(dtype: torch.dtype) -> None:
+    """The shared expert's gate and up as the two halves of one GEMM's output: rows at its stride."""
+    gate_up = (torch.randn(7, 2 * 1100, generator=torch.Generator().manual_seed(0)) * 2).to(dtype)
+    gate, up = gate_up.split(1100, dim=-1)
+    for config in moe_gemm._swiglu_tuned.configs:
+        with moe_gemm._swiglu_tuned.forced(config):
+            out = swiglu_triton(gate, up, 0.5)
+        _assert_within_ulps(out, swiglu_ref(gate.contiguous(), up.contiguous(), 0.5), dtype)
+
+
 def _stack(fmt: str, n: int, k: int, experts: int = E) -> QuantWeight:
     return random_weight(fmt, n, k, experts=(experts,))
 
