@@ -71,6 +71,10 @@ def mhc_cases(cfg: ModelConfig, phase: Phase, dev: torch.device, dtype: torch.dt
     iters = cfg.hc_sinkhorn_iters
     pre, post, comb = mhc.hc_coeffs_ref(*coeffs, **eps, sinkhorn_iters=iters)
     f = torch.randn(t, d, generator=gen, device=dev).to(dtype)
+    sublayer_input = {
+        "input_weight": torch.rand(d, generator=gen, device=dev) + 0.5,
+        "input_eps": cfg.rms_norm_eps,
+    }
     cases = [
         Case(
             "mhc",
@@ -79,6 +83,15 @@ def mhc_cases(cfg: ModelConfig, phase: Phase, dev: torch.device, dtype: torch.dt
             lambda: mhc.hc_coeffs_ref(*coeffs, **eps, sinkhorn_iters=iters),
             lambda: mhc.hc_coeffs_triton(*coeffs, **eps, sinkhorn_iters=iters),
             elements_bytes(x, fn, pre, post, comb),
+            2 * t * m * n * d,
+        ),
+        Case(
+            "mhc",
+            "hc_mix",  # what a block runs: the coefficients and the sublayer's normed input
+            phase,
+            lambda: mhc.hc_mix_ref(*coeffs, **eps, sinkhorn_iters=iters, **sublayer_input),
+            lambda: mhc.hc_mix_triton(*coeffs, **eps, sinkhorn_iters=iters, **sublayer_input),
+            elements_bytes(x, fn, pre, post, comb, f),
             2 * t * m * n * d,
         ),
         Case(
