@@ -211,6 +211,8 @@ class KVPools:
         self.cfg, self.layout, self.dtype, self.device = cfg, layout, dtype, device
         self.groups, self.block_size = layout.groups, layout.block_size
         self.block_bytes, self.slots_per_block = layout.block_bytes, layout.slots_per_block
+        # The ratios whose layers attend to every visible entry (HCA): their steps list those entries.
+        self.every_entry_ratios = {p.compress_ratio for p in build_plan(cfg) if p.attention is Attention.HCA}
         # Every group's rows are multiples of the scale's 4 bytes when quantised: the buffer stays typed.
         self._build(torch.zeros(num_blocks, self.block_bytes // elt, dtype=dtype, device=device))
 
@@ -427,7 +429,7 @@ class Batch:
                     request.to(torch.int32), tables, positions, back, shape, padding)  # fmt: skip
         batch.window_write = batch.slots("window", request, positions)
         batch.window_read = batch.slots("window", request, back)
-        every = {p.compress_ratio for p in build_plan(pools.cfg) if p.attention is Attention.HCA}
+        every = pools.every_entry_ratios
         batch.entries = {g.ratio: batch._entry_meta(g.ratio, g.ratio in every) for g in pools.groups[1:]}
         if shape is not None:
             batch.compress = {

@@ -623,8 +623,7 @@ _MIX_CONFIGS = (
     TuneConfig({"BLOCK_T": 16, "BLOCK_K": 32}, _mix_ub(16, 32)),
 )
 # acc, loaded and fp32 tiles of one column block, the squares and the weight (collapse); the [NP, BLOCK_D]
-# accumulator and
-# its product term plus f and x rows (update).
+# accumulator and its product term plus f and x rows (update).
 _COLLAPSE_CONFIGS = tuple(TuneConfig({"BLOCK_D": bd}, 4 * 5 * bd) for bd in (512, 2048))
 _UPDATE_CONFIGS = tuple(TuneConfig({"BLOCK_D": bd}, 4 * (2 * _NP * bd + 3 * bd)) for bd in (512, 2048))
 
