@@ -40,11 +40,13 @@ Kernels
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from triton_kernels import runtime, tuning
 from triton_kernels.quant import quantize_int8_ref
@@ -280,6 +282,74 @@ def _ragged(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return owner, torch.arange(len(owner), device=counts.device) - (counts.cumsum(0) - counts)[owner]
 
 
+@dataclass(frozen=True)
+class _Windows:
+    """Where the reference reads and writes for one batch and state layout: index bookkeeping only, the same
+    for every compressor of the batch's ratio in a step (found once, ``_windows``)."""
+
+    count: int  # G windows close
+    rows: torch.Tensor  # [G * r] each window's rows in [new rows | held rows (state row-major)]
+    kept: torch.Tensor  # the windows whose entry is stored...
+    slots: torch.Tensor  # ... and its slot
+    positions: torch.Tensor  # [G] each window's first position (its entry's rotation)
+    staying: torch.Tensor | None  # with states: the new rows left in their request's open window...
+    buffer_at: tuple[torch.Tensor, torch.Tensor] | None  # ... and their (state, row) in the buffers
+    prev: torch.Tensor | None  # overlap: the Ca source of each window (see compress_ref)
+    slice_at: tuple[torch.Tensor, torch.Tensor] | None  # overlap with states: (state, its last window)
+
+
+# The windows of a batch, keyed by its cu_seqlens and checked against every field and its version (a field
+# written in place makes them stale); one entry per (ratio, overlap, state rows). The fields are held weakly:
+# an entry that held its key would never leave.
+_WINDOWS: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+
+
+def _windows(batch: CompressBatch, r: int, overlap: bool, state_rows: int | None) -> _Windows:
+    fields = tuple(vars(batch).values())
+    versions = tuple(t._version for t in fields)
+    found = _WINDOWS.setdefault(batch.cu_seqlens, {})
+    hit = found.get((r, overlap, state_rows))
+    if hit is not None and hit[1] == versions and all(a() is b for a, b in zip(hit[0], fields, strict=True)):
+        return hit[2]
+    windows = _find_windows(batch, r, overlap, state_rows)
+    found[r, overlap, state_rows] = (tuple(weakref.ref(t) for t in fields), versions, windows)
+    return windows
+
+
+def _find_windows(batch: CompressBatch, r: int, overlap: bool, state_rows: int | None) -> _Windows:
+    # Every request at once: its sequence is its held rows then its new rows; the rows of its closed windows
+    # are picked from the new and the held rows; its new rows past its last closed window (its open window's)
+    # go to the buffer after the held ones, which stay in place.
+    cu, start, sid = batch.cu_seqlens.long(), batch.start.long(), batch.state_ids.long()
+    n = batch.slots.numel()
+    held = start % r if state_rows is not None else torch.zeros_like(start)
+    windows, first = (held + cu.diff()) // r, start // r
+    win_req, w = _ragged(windows)
+    staying = buffer_at = prev = slice_at = None
+    if state_rows is not None:
+        req, i = _ragged(cu.diff())
+        j = held[req] + i - windows[req] * r  # the row's place in its request's open window
+        staying = (j >= 0).nonzero().flatten()
+        buffer_at = (sid[req[staying]], j[staying])
+    # Row of element k of request req's sequence: held row k of its state, or a new row.
+    req, k = _ragged(windows * r)
+    rows = torch.where(k < held[req], n + sid[req] * (r - 1) + k, cu[req] + k - held[req])
+    g = len(win_req)
+    if overlap:
+        # Slots [Ca of window g-1 | Cb of window g]: g-1 is the request's previous window of this call, or
+        # its state's overlap slice; before window 0 the Ca slots weigh 0 (the row after the slices).
+        prev = torch.where(first[win_req] > 0, g + sid[win_req], g + (state_rows or 0))
+        prev = torch.where(w > 0, torch.arange(-1, g - 1, device=cu.device), prev)
+        if state_rows is not None:
+            closed = windows > 0
+            slice_at = (sid[closed], windows.cumsum(0)[closed] - 1)
+    number = first[win_req] + w
+    # Window g closes at the token of position (g + 1) * r - 1.
+    slots = batch.slots[cu[win_req] + (number + 1) * r - 1 - start[win_req]].long()
+    kept = (slots >= 0).nonzero().flatten()
+    return _Windows(g, rows, kept, slots[kept], number * r, staying, buffer_at, prev, slice_at)
+
+
 def compress_ref(
     kv: torch.Tensor,
     gate: torch.Tensor | None,
@@ -289,65 +359,41 @@ def compress_ref(
     out: torch.Tensor,
     out_scale: torch.Tensor | None = None,
 ) -> None:
-    # Every request at once: its sequence is its held rows then its new rows; the rows of its closed windows
-    # (gathered as ``[G, r, W]``) are picked from the new and the held rows, copied before the new rows past
-    # its last closed window (its open window's) go to the buffer after the held ones, which stay in place.
-    r, c, n = params.ratio, params.norm_weight.numel(), kv.shape[0]
-    cu, start, sid = batch.cu_seqlens.long(), batch.start.long(), batch.state_ids.long()
-    held = start % r if states is not None else torch.zeros_like(start)
-    windows, first = (held + cu.diff()) // r, start // r
-    win_req, w = _ragged(windows)
-    if len(win_req):  # copied only when a window closes: the copy is of every request's held rows
+    r, c = params.ratio, params.norm_weight.numel()
+    at = _windows(batch, r, params.overlap, None if states is None else states.buffer_kv.shape[0])
+    if at.count:  # copied only when a window closes: the copy is of every request's held rows
         stateless = (kv.float()[:0, None],) * 2
         held_kv, held_z = (states.buffer_kv, states.buffer_gate) if states is not None else stateless
         all_kv = torch.cat([kv.float(), held_kv.flatten(0, 1)])
         # No gate (ratio 1): one slot of weight 1.
         all_z = torch.cat([gate.float(), held_z.flatten(0, 1)]) if gate is not None else None
     if states is not None:
-        req, i = _ragged(cu.diff())
-        j = held[req] + i - windows[req] * r  # the row's place in its request's open window
-        opened = j >= 0
-        states.buffer_kv[sid[req[opened]], j[opened]] = kv[opened].float()
+        states.buffer_kv[at.buffer_at] = kv.index_select(0, at.staying).float()
         if gate is not None:
-            states.buffer_gate[sid[req[opened]], j[opened]] = gate[opened].float()
-    if not len(win_req):  # nothing closes: the overlap slices stay
+            states.buffer_gate[at.buffer_at] = gate.index_select(0, at.staying).float()
+    if not at.count:  # nothing closes: the overlap slices stay
         return
-    # Row of element k of request req's sequence: held row k of its state, or a new row.
-    req, k = _ragged(windows * r)
-    rows = torch.where(k < held[req], n + sid[req] * (r - 1) + k, cu[req] + k - held[req])
-    win_kv = all_kv.index_select(0, rows).view(-1, r, all_kv.shape[1])
-    win_z = all_z.index_select(0, rows).view_as(win_kv) if all_z is not None else torch.zeros_like(win_kv)
+    win_kv = all_kv.index_select(0, at.rows).view(-1, r, all_kv.shape[1])
+    win_z = all_z.index_select(0, at.rows).view_as(win_kv) if all_z is not None else torch.zeros_like(win_kv)
     if params.ape is not None:
         win_z = win_z + params.ape
     if params.overlap:
-        # Slots [Ca of window g-1 | Cb of window g]: g-1 is the request's previous window of this call, or
-        # its state's overlap slice; before window 0 the Ca slots weigh 0 (the row after the slices).
-        g, slices = len(win_req), (states.overlap_kv, states.overlap_gate) if states is not None else ()
-        num_slices = slices[0].shape[0] if slices else 0
-        prev = torch.where(first[win_req] > 0, g + sid[win_req], g + num_slices)
-        prev = torch.where(w > 0, torch.arange(-1, g - 1, device=kv.device), prev)
-        prev_kv = torch.cat([win_kv[:, :, :c], *slices[:1], win_kv.new_zeros(1, r, c)])[prev]
-        prev_z = torch.cat([win_z[:, :, :c], *slices[1:], win_z.new_full((1, r, c), float("-inf"))])[prev]
+        slices = (states.overlap_kv, states.overlap_gate) if states is not None else ()
+        prev_kv = torch.cat([win_kv[:, :, :c], *slices[:1], win_kv.new_zeros(1, r, c)])[at.prev]
+        prev_z = torch.cat([win_z[:, :, :c], *slices[1:], win_z.new_full((1, r, c), float("-inf"))])[at.prev]
         if states is not None:
-            closed = windows > 0
-            last = windows.cumsum(0)[closed] - 1
-            states.overlap_kv[sid[closed]], states.overlap_gate[sid[closed]] = (
-                win_kv[last, :, :c],
-                win_z[last, :, :c],
-            )
+            state, last = at.slice_at
+            states.overlap_kv[state], states.overlap_gate[state] = win_kv[last, :, :c], win_z[last, :, :c]
         win_kv = torch.cat([prev_kv, win_kv[:, :, c:]], dim=1)
         win_z = torch.cat([prev_z, win_z[:, :, c:]], dim=1)
     entries = rms_norm_ref((win_kv * win_z.softmax(dim=1)).sum(dim=1), params.norm_weight, params.eps)
-    number = first[win_req] + w
     if params.inv_freq is not None:
-        entries = apply_rope_ref(entries, number * r, params.inv_freq)
-    # Window g closes at the token of position (g + 1) * r - 1.
-    slots = batch.slots[cu[win_req] + (number + 1) * r - 1 - start[win_req]].long()
-    keep = slots >= 0
+        entries = apply_rope_ref(entries, at.positions, params.inv_freq)
+    entries = entries.index_select(0, at.kept)
     if out_scale is not None:
         entries, scale = quantize_int8_ref(entries)
-        out_scale[slots[keep]] = scale[keep]
-    out[slots[keep]] = entries[keep].to(out.dtype)
+        out_scale[at.slots] = scale
+    out[at.slots] = entries.to(out.dtype)
 
 
 @triton.jit

@@ -248,6 +248,29 @@ def test_stateless_call_compresses_complete_groups(ratio: int) -> None:
     torch.testing.assert_close(outs[0], _by_formula(kv, gate, params), atol=1e-5, rtol=1e-5)
 
 
+def test_the_reference_reads_a_batch_written_in_place_afresh() -> None:
+    """The reference finds a batch's windows once for every compressor of the batch (a step's layers);
+    a batch whose fields are then written in place (a graph's static inputs) is read as it is now."""
+    params = _params(4)
+    kv, gate = _inputs(8, params)
+    first, second = (
+        torch.tensor(s, dtype=torch.int32)
+        for s in ([-1, -1, -1, 0, -1, -1, -1, 1], [-1] * 3 + [1, -1, -1, -1, 0])
+    )
+    outs = []
+    for batch in (CompressBatch.single(4, 0, first.clone()), CompressBatch.single(4, 0, second)):
+        out = torch.zeros(2, C)
+        compress_ref(kv, gate, batch, CompressorStates.empty(1, 4, C, True, "cpu"), params, out)
+        outs.append(out)
+    reused = CompressBatch.single(4, 0, first.clone())
+    for slots, want in zip((first, second), outs, strict=True):
+        reused.slots.copy_(slots)
+        out = torch.zeros(2, C)
+        compress_ref(kv, gate, reused, CompressorStates.empty(1, 4, C, True, "cpu"), params, out)
+        assert torch.equal(out, want)
+    assert not torch.equal(outs[0], outs[1])
+
+
 def _call(ratio: int = 4, **change):
     params = _params(ratio)
     kv, gate = _inputs(8, params)
