@@ -43,6 +43,8 @@ Kernels
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 import triton
@@ -199,13 +201,21 @@ def hc_coeffs_ref(
     sinkhorn_iters: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     n = x.shape[1]
-    mu = _normed_mix(x, fn, norm_eps)
-    pre = torch.sigmoid(mu[:, :n] * scale[0] + base[:n]) + hc_eps
-    post = 2 * torch.sigmoid(mu[:, n : 2 * n] * scale[1] + base[n : 2 * n])
-    logits = (mu[:, 2 * n :] * scale[2] + base[2 * n :]).view(-1, n, n)
-    comb = torch.softmax(logits, dim=-1).add_(hc_eps).permute(1, 2, 0).contiguous()
+    # Each coefficient's scale spread over its columns: one product and one sum for all three (elementwise,
+    # so the values of three sliced ones). The gates' inputs are copied out whole: the CPU's sigmoid may
+    # round a value of a strided row differently than of a contiguous one, which transformers' is.
+    logits = _normed_mix(x, fn, norm_eps) * scale[_scale_columns(n, scale.device)] + base
+    pre = torch.sigmoid(logits[:, :n].contiguous()) + hc_eps
+    post = 2 * torch.sigmoid(logits[:, n : 2 * n].contiguous())
+    comb = torch.softmax(logits[:, 2 * n :].view(-1, n, n), dim=-1).add_(hc_eps).permute(1, 2, 0).contiguous()
     _sinkhorn_(comb, hc_eps, sinkhorn_iters)
     return pre, post, comb.permute(2, 0, 1).contiguous()
+
+
+@functools.cache
+def _scale_columns(n: int, device: torch.device) -> torch.Tensor:
+    """Which of the three scales each of the ``(2 + n) * n`` mixed columns takes."""
+    return torch.tensor([0] * n + [1] * n + [2] * n * n, device=device)
 
 
 def _sinkhorn_(comb: torch.Tensor, hc_eps: float, iters: int) -> None:
