@@ -10,6 +10,11 @@ bookkeeping, and a replayed graph makes none), inside ``batch_forward`` of one d
 over the backbone's layers divided by their count, for the plain eager step and for the step of
 fixed shape that decode graphs capture (what one replay launches on the device). The counts must not
 grow with the requests; each row says so.
+
+``--steps cpu`` counts the same eager step on the CPU path instead (the torch references, no kernel):
+every aten operator it dispatches, views and allocations included, since each costs the host a dispatch
+(a few microseconds) and a tiny model's CPU step is made of them: the lever on CPU speed, counted
+exactly where timings on a shared machine are not.
 """
 
 from __future__ import annotations
@@ -32,6 +37,11 @@ from model.testing.tiny import cached_tiny  # noqa: E402
 from model.tokenizer import load_tokenizer  # noqa: E402
 
 LENGTHS = (5, 29, 13, 21, 9, 33, 17, 25)  # 1 mod 4, below 127: the same windows close in every batch
+STEPS = {
+    "eager": "eager: launches",
+    "fixed": "fixed-shape (graph): launches",
+    "cpu": "cpu references: aten operators",
+}
 
 
 # Operators that only allocate or reinterpret memory (``_unsafe_view`` is a view torch does not mark as one).
@@ -43,14 +53,16 @@ NO_LAUNCH = frozenset(
 
 
 class Launches(TorchDispatchMode):
-    """Triton launches and the aten operators dispatched outside them, while ``active``."""
+    """Triton launches and the aten operators dispatched outside them, while ``active`` (``every_op``: views
+    and allocations too)."""
 
-    def __init__(self) -> None:
+    def __init__(self, every_op: bool = False) -> None:
         super().__init__()
-        self.active, self.inside, self.ops = False, 0, Counter()
+        self.active, self.inside, self.ops, self.every_op = False, 0, Counter(), every_op
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self.active and not self.inside and not func.is_view and str(func) not in NO_LAUNCH:
+        launches = self.every_op or (not func.is_view and str(func) not in NO_LAUNCH)
+        if self.active and not self.inside and launches:
             self.ops[str(func)] += 1
         return func(*args, **(kwargs or {}))
 
@@ -70,8 +82,10 @@ def counting(hook: Launches):
     return run
 
 
-def decode_step(arch: str, requests: int, fixed: bool) -> tuple[Counter, int]:
-    """Launches of one decode step of ``requests`` requests, and the backbone's layer count."""
+def decode_step(arch: str, requests: int, step: str) -> tuple[Counter, int]:
+    """Launches of one decode step (``eager``, ``fixed`` shape, or ``cpu``: the aten operators of the
+    reference path) of ``requests`` requests, and the backbone's layer count."""
+    fixed = step == "fixed"
     path = cached_tiny(arch)
     model = load_model(path)
     config = EngineConfig(max_num_batched_tokens=256, max_num_seqs=8, max_model_len=128)
@@ -88,7 +102,7 @@ def decode_step(arch: str, requests: int, fixed: bool) -> tuple[Counter, int]:
     engine.step()
     if fixed:
         engine.step()  # the first decode step builds the shape's padding rows: count a later one
-    hook, forward = Launches(), model.batch_forward
+    hook, forward = Launches(every_op=step == "cpu"), model.batch_forward
 
     def watched(*args):
         hook.active = True
@@ -100,13 +114,14 @@ def decode_step(arch: str, requests: int, fixed: bool) -> tuple[Counter, int]:
     model.batch_forward = watched
     # Only the counted step runs on the kernels (the interpreter is slow: the prefill runs the references).
     launch, GridExecutor.__call__ = GridExecutor.__call__, counting(hook)
-    os.environ["DSV4_TRITON_ON_CPU"] = "1"
+    if step != "cpu":
+        os.environ["DSV4_TRITON_ON_CPU"] = "1"
     try:
         with hook:
             engine.step()
     finally:
         GridExecutor.__call__ = launch
-        del os.environ["DSV4_TRITON_ON_CPU"]
+        os.environ.pop("DSV4_TRITON_ON_CPU", None)
     return hook.ops, len(model.layers)
 
 
@@ -116,21 +131,21 @@ def main() -> None:
     )
     parser.add_argument("--arch", nargs="+", default=["v4", "v41"])
     parser.add_argument("--requests", nargs="+", type=int, default=[2, 8])
-    parser.add_argument("--steps", nargs="+", choices=["eager", "fixed"], default=["eager", "fixed"])
+    parser.add_argument("--steps", nargs="+", choices=list(STEPS), default=list(STEPS))
     parser.add_argument("--top", type=int, default=0, help="also list the N most launched operators")
     args = parser.parse_args()
     for arch in args.arch:
-        for fixed in (step == "fixed" for step in args.steps):
-            counts = {n: decode_step(arch, n, fixed) for n in args.requests}
+        for step in args.steps:
+            counts = {n: decode_step(arch, n, step) for n in args.requests}
             per_layer = {n: sum(ops.values()) / layers for n, (ops, layers) in counts.items()}
             kernels = {n: sum(c for op, c in ops.items() if op.startswith("triton:")) / layers
                        for n, (ops, layers) in counts.items()}  # fmt: skip
             same = len({sum(ops.values()) for ops, _ in counts.values()}) == 1
-            step = "fixed-shape (graph)" if fixed else "eager"
-            cells = ", ".join(f"{n} requests {per_layer[n]:.1f} ({kernels[n]:.1f} Triton)" for n in per_layer)
-            print(
-                f"{arch} {step}: launches per layer: {cells}; {'constant' if same else 'GROWS'} in requests"
+            triton = "" if step == "cpu" else " ({:.1f} Triton)"
+            cells = ", ".join(
+                f"{n} requests {per_layer[n]:.1f}" + triton.format(kernels[n]) for n in per_layer
             )
+            print(f"{arch} {STEPS[step]} per layer: {cells}; {'constant' if same else 'GROWS'} in requests")
             if args.top:
                 ops, _ = counts[max(counts)]
                 print("  " + ", ".join(f"{op} {c}" for op, c in ops.most_common(args.top)))
