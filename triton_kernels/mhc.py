@@ -202,8 +202,8 @@ def hc_coeffs_ref(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     n = x.shape[1]
     # Each coefficient's scale spread over its columns: one product and one sum for all three (elementwise,
-    # so the values of three sliced ones). The gates' inputs are copied out whole: the CPU's sigmoid may
-    # round a value of a strided row differently than of a contiguous one, which transformers' is.
+    # so the values of three sliced ones). The gates' inputs are copied out contiguous, as transformers
+    # computes them: the CPU's sigmoid may round a value in a strided row differently.
     logits = _normed_mix(x, fn, norm_eps) * scale[_scale_columns(n, scale.device)] + base
     pre = torch.sigmoid(logits[:, :n].contiguous()) + hc_eps
     post = 2 * torch.sigmoid(logits[:, n : 2 * n].contiguous())
