@@ -90,12 +90,16 @@ def test_gauges_follow_admission_while_a_step_runs(parts):
         try:
             first = await core.add("a", seqs(1))
             await asyncio.to_thread(gate.entered.wait, 30)  # the engine thread is now inside a step
-            second = await core.add("b", seqs(2))
-            assert gauge(core, "vllm:num_requests_running") == 1
-            assert gauge(core, "vllm:num_requests_waiting") == 2  # admitted, not yet scheduled
+            assert gauge(core, "vllm:num_requests_waiting") == 1
+            # The engine thread takes the new sequences in only after its step; the gauges count them now.
+            second = asyncio.create_task(core.add("b", seqs(2)))
+            await asyncio.sleep(0)
+            assert not second.done()
+            assert gauge(core, "vllm:num_requests_running") == 0  # the held step has scheduled nothing yet
+            assert gauge(core, "vllm:num_requests_waiting") == 3  # admitted, not yet scheduled
             gate.open.set()
             await finals(first)
-            await finals(second)
+            await finals(await second)
             assert gauge(core, "vllm:num_requests_running") == 0
             assert gauge(core, "vllm:num_requests_waiting") == 0
         finally:
