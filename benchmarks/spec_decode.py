@@ -16,14 +16,11 @@ import argparse
 import time
 from dataclasses import dataclass
 
-import torch
-
+from benchmarks.tiny_batch import tiny_batch
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.request import Request, SamplingParams
 from engine.spec_decode.proposer import Proposer, ScriptedProposer
-from model.checkpoint import load_model, placement, placement_arguments
-from model.testing.tiny import cached_tiny
-from model.tokenizer import load_tokenizer
+from model.checkpoint import placement_arguments
 
 METHODS = {"v4": "mtp", "v4-dspark": "dspark", "v41": "dspark"}
 
@@ -63,12 +60,7 @@ def forced_accept(reference: dict[tuple[int, ...], list[int]]) -> Proposer:
 
 
 def bench(arch: str, args: argparse.Namespace) -> None:
-    path = cached_tiny(arch)
-    device, dtype = placement(args.device, args.dtype)
-    model, tokenizer = load_model(path, dtype, device), load_tokenizer(path)
-    gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, model.cfg.vocab_size, (args.prompt_len,), generator=gen).tolist()
-               for _ in range(args.requests)]  # fmt: skip
+    model, tokenizer, prompts = tiny_batch(arch, args)
 
     def run(proposer: Proposer | None = None, method: str | None = None) -> Result:
         k = args.k if proposer or method else None
