@@ -11,6 +11,11 @@ launch's duration; each call of a ``@triton.jit`` helper inside it did that agai
 members (about 1.6 ms a call, over a third of an interpreted indexer test), and found nothing left to
 replace. The fast path skips the walk when every language module the helper sees is already replaced.
 
+Overflow checks. Each integer ``+``, ``-`` and ``*`` narrower than 64 bits is also computed in int64 and
+compared with its type's range, for a ``device_assert`` that acts only when the kernel's options say
+``debug``, which the interpreter's never do: a quarter of an interpreted model's time went to building
+checks that were then dropped. The fast path skips them unless ``debug`` is on (then the check runs).
+
 Nothing a device compiles changes, and where an interpreter lacks the hooks (another triton) ``install``
 does nothing.
 """
@@ -24,7 +29,7 @@ from triton.runtime import interpreter
 
 def install() -> bool:
     """Install the fast paths (idempotent); whether the interpreter now has them."""
-    return _install_xor() and _install_helper_calls()
+    return _install_xor() and _install_helper_calls() and _install_overflow_checks()
 
 
 def _install_xor() -> bool:
@@ -66,4 +71,21 @@ def _install_helper_calls() -> bool:
             raise interpreter.InterpreterError(repr(e)) from e
 
     function.__call__, function.helper_calls_unpatched = call, True
+    return True
+
+
+def _install_overflow_checks() -> bool:
+    semantic = getattr(interpreter, "interpreter_semantic", None)
+    check = getattr(type(semantic), "binary_op_sanitize_overflow_impl", None)
+    if check is None or not hasattr(semantic, "builder") or not hasattr(semantic, "device_assert"):
+        return False
+    if getattr(semantic, "overflow_checks_when_debug", False):
+        return True
+
+    def sanitize(lhs, rhs, binary_op):  # noqa: ANN001, ANN202 (the semantic's own signature)
+        if semantic.builder.options.debug:  # device_assert acts: the check as triton builds it
+            check(semantic, lhs, rhs, binary_op)
+
+    # On the interpreter's own semantic only: the one a device compile builds with keeps its method.
+    semantic.binary_op_sanitize_overflow_impl, semantic.overflow_checks_when_debug = sanitize, True
     return True

@@ -1,8 +1,10 @@
 """The interpreter's fast paths (``triton_kernels.interpreter``): the numpy XOR reduction computes what tl
-does, and helper calls inside a launch compute as before without walking the language again."""
+does, helper calls inside a launch compute as before without walking the language again, and integer
+arithmetic builds its overflow checks only when ``debug`` makes them act."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import operator
@@ -11,6 +13,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
+from triton.runtime import interpreter as triton_interpreter
 
 from triton_kernels import interpreter
 
@@ -41,6 +44,12 @@ def _helper_kernel(x_ptr, out_ptr, N: tl.constexpr):
 def _plain_kernel(x_ptr, out_ptr, N: tl.constexpr):
     offs = tl.arange(0, N)
     tl.store(out_ptr + offs, tl.load(x_ptr + offs) * 4)
+
+
+@triton.jit
+def _int_kernel(x_ptr, y_ptr, out_ptr, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(out_ptr + offs, tl.load(x_ptr + offs) * tl.load(y_ptr + offs) - 7)
 
 
 def test_the_test_session_interprets_with_the_fast_path() -> None:
@@ -75,3 +84,24 @@ def test_helper_calls_compute_without_walking_the_language_again(monkeypatch: py
     assert torch.equal(outs[0], x * 4) and torch.equal(outs[1], x * 4)
     assert plain > 0 and len(walks) == 2 * plain  # the launch's own walk only, not one per helper call
     assert tl.core.is_builtin(tl.load)  # the launch put the language back
+
+
+def test_integer_overflow_checks_are_built_only_when_debug_makes_them_act(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    semantic, builder = triton_interpreter.interpreter_semantic, triton_interpreter.interpreter_builder
+    asserts = []
+    device_assert = semantic.device_assert
+    monkeypatch.setattr(semantic, "device_assert", lambda *a: asserts.append(a[1]) or device_assert(*a))
+    x = torch.tensor([2**30, 3, -(2**31) + 1, 5], dtype=torch.int32)
+    y = torch.tensor([4, 5, 2, -1], dtype=torch.int32)
+    out = torch.empty(4, dtype=torch.int32)
+    _int_kernel[(1,)](x, y, out, N=4)
+    wrapped = (x.long() * y.long() - 7 + 2**31) % 2**32 - 2**31  # int32 arithmetic wraps, as before
+    assert out.tolist() == wrapped.tolist() and not asserts
+    monkeypatch.setattr(builder, "options", dataclasses.replace(builder.options, debug=True))
+    with pytest.raises(
+        triton_interpreter.InterpreterError, match="int32 overflow detected for operation mul"
+    ):
+        _int_kernel[(1,)](x, y, out, N=4)
+    assert asserts
