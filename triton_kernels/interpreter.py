@@ -6,6 +6,11 @@ every compare-and-swap XOR-reduces over one axis to find each lane's partner, so
 took seconds: about 85 % of the interpreted time of the top-k and indexer kernels (their compaction
 sorts lane ids). The fast path gives the XOR reduction numpy's ``bitwise_xor.reduce``, the same integers.
 
+Sorts. The network still costs its log2(n)**2 / 2 interpreted stages. Where the sorted row is unique
+(integers, and floats with neither a NaN nor a -0.0, whose equal values are the same bits), ``tl.sort`` is
+numpy's sort of the lanes: the same values in the same order. Other rows, and other dtypes (bf16 is
+stored as its bits), run the network.
+
 Helper calls. A launch replaces every builtin of ``triton.language`` by its interpreted form for the
 launch's duration; each call of a ``@triton.jit`` helper inside it did that again, walking the modules'
 members (about 1.6 ms a call, over a third of an interpreted indexer test), and found nothing left to
@@ -29,7 +34,7 @@ from triton.runtime import interpreter
 
 def install() -> bool:
     """Install the fast paths (idempotent); whether the interpreter now has them."""
-    return _install_xor() and _install_helper_calls() and _install_overflow_checks()
+    return _install_xor() and _install_sort() and _install_helper_calls() and _install_overflow_checks()
 
 
 def _install_xor() -> bool:
@@ -50,6 +55,36 @@ def _install_xor() -> bool:
 
     ops.apply_impl, ops.xor_in_numpy = apply_impl, True
     return True
+
+
+_EXACT_FLOATS = (tl.float16, tl.float32, tl.float64)
+
+
+def _install_sort() -> bool:
+    network = getattr(tl.standard, "sort", None)
+    if network is None or not hasattr(interpreter, "TensorHandle"):
+        return False
+    if getattr(network, "sorts_in_numpy", False):
+        return True
+
+    def sort(x, dim=None, descending=tl.core.CONSTEXPR_0):  # noqa: ANN001, ANN202 (tl.sort's signature)
+        data, dim = x.handle.data, tl.core._unwrap_if_constexpr(dim)
+        if dim not in (None, data.ndim - 1) or not _unique_when_sorted(data, x.dtype):
+            return network(x, dim, descending)
+        ordered = np.sort(data, axis=-1)
+        if tl.core._unwrap_if_constexpr(descending):
+            ordered = np.flip(ordered, -1)
+        return tl.core.tensor(interpreter.TensorHandle(np.ascontiguousarray(ordered), x.handle.dtype), x.type)
+
+    sort.sorts_in_numpy, sort.network = True, network
+    tl.sort = tl.standard.sort = sort
+    return True
+
+
+def _unique_when_sorted(data: np.ndarray, dtype: tl.dtype) -> bool:
+    if dtype.is_int() and not dtype.is_bool():
+        return True
+    return dtype in _EXACT_FLOATS and not np.isnan(data).any() and not (np.signbit(data) & (data == 0)).any()
 
 
 def _install_helper_calls() -> bool:

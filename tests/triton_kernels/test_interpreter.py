@@ -105,3 +105,31 @@ def test_integer_overflow_checks_are_built_only_when_debug_makes_them_act(
     ):
         _int_kernel[(1,)](x, y, out, N=4)
     assert asserts
+
+
+@triton.jit
+def _sort_rows_kernel(x_ptr, out_ptr, N: tl.constexpr, M: tl.constexpr, DESCENDING: tl.constexpr):
+    offs = tl.arange(0, N)[:, None] * M + tl.arange(0, M)[None, :]
+    tl.store(out_ptr + offs, tl.sort(tl.load(x_ptr + offs), descending=DESCENDING))
+
+
+@pytest.mark.parametrize("descending", [False, True])
+@pytest.mark.parametrize(
+    "rows",
+    [
+        torch.randint(-5, 5, (4, 64), generator=torch.Generator().manual_seed(2), dtype=torch.int32),
+        torch.randint(-5, 5, (4, 64), generator=torch.Generator().manual_seed(3)).float(),
+        torch.tensor([[0.0, -0.0, 1.0, -0.0] * 16] * 4),  # -0.0 and 0.0 tie: the network decides
+        torch.tensor([[float("nan"), 2.0, -1.0, 2.0] * 16] * 4),
+    ],
+    ids=["int32", "fp32", "signed zeros", "nan"],
+)
+def test_the_numpy_sort_gives_the_networks_bits(
+    rows: torch.Tensor, descending: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fast, network = torch.empty_like(rows), torch.empty_like(rows)
+    _sort_rows_kernel[(1,)](rows, fast, N=4, M=64, DESCENDING=descending)
+    assert tl.sort.sorts_in_numpy
+    monkeypatch.setattr(tl, "sort", tl.sort.network)
+    _sort_rows_kernel[(1,)](rows, network, N=4, M=64, DESCENDING=descending)
+    assert torch.equal(fast.view(torch.int32), network.view(torch.int32))
