@@ -21,6 +21,9 @@ compared with its type's range, for a ``device_assert`` that acts only when the 
 ``debug``, which the interpreter's never do: a quarter of an interpreted model's time went to building
 checks that were then dropped. The fast path skips them unless ``debug`` is on (then the check runs).
 
+Numpy dtypes. Every interpreted op asks which numpy dtype holds its triton type, and each answer built the
+whole table of twenty types anew. The fast path keeps each scalar type's answer (a pointer's is uint64).
+
 Nothing a device compiles changes, and where an interpreter lacks the hooks (another triton) ``install``
 does nothing.
 """
@@ -34,7 +37,13 @@ from triton.runtime import interpreter
 
 def install() -> bool:
     """Install the fast paths (idempotent); whether the interpreter now has them."""
-    return _install_xor() and _install_sort() and _install_helper_calls() and _install_overflow_checks()
+    return (
+        _install_xor()
+        and _install_sort()
+        and _install_helper_calls()
+        and _install_overflow_checks()
+        and _install_np_dtypes()
+    )
 
 
 def _install_xor() -> bool:
@@ -123,4 +132,29 @@ def _install_overflow_checks() -> bool:
 
     # On the interpreter's own semantic only: the one a device compile builds with keeps its method.
     semantic.binary_op_sanitize_overflow_impl, semantic.overflow_checks_when_debug = sanitize, True
+    return True
+
+
+def _install_np_dtypes() -> bool:
+    lookup = getattr(interpreter, "_get_np_dtype", None)
+    if lookup is None:
+        return False
+    if getattr(lookup, "answers_kept", False):
+        return True
+    answers: dict[tl.dtype, np.dtype] = {}
+    pointer = np.dtype(np.uint64)
+
+    def np_dtype(tt_dtype):  # noqa: ANN001, ANN202 (the interpreter's own signature)
+        scalar = tt_dtype.element_ty if isinstance(tt_dtype, tl.block_type) else tt_dtype
+        if isinstance(scalar, tl.pointer_type):
+            return pointer
+        if not isinstance(scalar, tl.dtype):  # not a type the table holds: the interpreter's own error
+            return lookup(tt_dtype)
+        found = answers.get(scalar)
+        if found is None:
+            found = answers[scalar] = lookup(scalar)
+        return found
+
+    np_dtype.answers_kept, np_dtype.lookup = True, lookup
+    interpreter._get_np_dtype = np_dtype
     return True

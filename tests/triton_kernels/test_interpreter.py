@@ -1,6 +1,7 @@
 """The interpreter's fast paths (``triton_kernels.interpreter``): the numpy XOR reduction computes what tl
 does, helper calls inside a launch compute as before without walking the language again, and integer
-arithmetic builds its overflow checks only when ``debug`` makes them act."""
+arithmetic builds its overflow checks only when ``debug`` makes them act, numpy's sort gives the network's
+bits, and the numpy dtypes kept are the interpreter's own answers."""
 
 from __future__ import annotations
 
@@ -133,3 +134,14 @@ def test_the_numpy_sort_gives_the_networks_bits(
     monkeypatch.setattr(tl, "sort", tl.sort.network)
     _sort_rows_kernel[(1,)](rows, network, N=4, M=64, DESCENDING=descending)
     assert torch.equal(fast.view(torch.int32), network.view(torch.int32))
+
+
+def test_the_kept_numpy_dtypes_are_the_interpreters_answers() -> None:
+    kept = triton_interpreter._get_np_dtype
+    assert kept.answers_kept
+    scalars = [tl.int1, tl.int8, tl.uint8, tl.int16, tl.int32, tl.uint32, tl.int64, tl.uint64]
+    scalars += [tl.float16, tl.bfloat16, tl.float32, tl.float64, tl.float8e5, tl.float8e4nv]
+    types = [*scalars, *(tl.block_type(s, [4, 8]) for s in scalars), tl.pointer_type(tl.float32)]
+    types.append(tl.block_type(tl.pointer_type(tl.bfloat16), [16]))
+    for t in types * 2:  # the second time from what was kept
+        assert kept(t) == kept.lookup(t), t
