@@ -25,6 +25,8 @@ def test_benchmark_times_both_sides_and_compares_their_outputs(capsys: pytest.Ca
     assert same == "True"  # the replayed steps decode what the eager ones do
 
 
-def test_a_count_below_one_is_refused() -> None:
+@pytest.mark.parametrize("argv", [["--requests", "0"], ["--prompt-len", "0"], ["--max-tokens", "1"]])
+def test_a_run_without_a_decode_step_is_refused(argv: list[str], capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit):
-        main(["--requests", "0"])
+        main(argv)
+    assert "must be at least" in capsys.readouterr().err
