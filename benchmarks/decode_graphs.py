@@ -4,13 +4,11 @@
 [--device D] [--dtype T]``
 
 For each model the same greedy batch runs in one process, first with ``enforce_eager``, then with the
-decode graphs the engine captures when it starts (CUDA / NPU: every capture size up to ``--requests``).
-Each side runs the batch once untimed first (a device compiles its Triton kernels at their first launch).
-Printed: the mean decode step (the steps after the prompts' one pass; every step reads its sampled tokens
-back to the host, so the device's queued work counts), the capture time, the speed-up and whether the
-outputs are the same. On a CPU the engine captures nothing, so the graphs are the ``fx`` backend there: the
-``make_fx`` trace of the step replayed as a ``GraphModule``, the CPU proof that the step captures, not a
-speed-up (each op of the replay goes through the dispatcher from Python, as eagerly).
+decode graphs the engine captures when it starts (every capture size up to ``--requests``; on a CPU the
+``cpu`` graphs, ``cpu_graphs``). Each side runs the batch once untimed first (a device compiles its Triton
+kernels at their first launch). Printed: the mean decode step (the steps after the prompts' one pass;
+every step reads its sampled tokens back to the host, so the device's queued work counts), the capture
+time, the speed-up and whether the outputs are the same.
 """
 
 from __future__ import annotations
@@ -21,7 +19,6 @@ import time
 from tokenizers import Tokenizer
 
 from benchmarks.tiny_batch import tiny_batch
-from engine.decode_graphs import DecodeGraphs, table_width
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.request import SamplingParams
 from model.causal_lm import CausalLM
@@ -32,11 +29,6 @@ def start(model: CausalLM, tokenizer: Tokenizer, config: EngineConfig) -> tuple[
     """The engine and the seconds it took to start (its graphs captured, unless ``enforce_eager``)."""
     begin = time.perf_counter()
     engine = LLMEngine(model, tokenizer, config)
-    runner = engine.runner
-    if not config.enforce_eager and runner.graphs is None:  # a CPU: the fx stand-in
-        width = table_width(runner.pools.layout, config.max_model_len)
-        runner.graphs = DecodeGraphs(model, runner.pools, config.max_num_seqs, width, "fx")
-        runner.graphs.capture_all()
     return engine, time.perf_counter() - begin
 
 
@@ -62,12 +54,13 @@ def bench(arch: str, args: argparse.Namespace) -> None:
             max_model_len=args.prompt_len + args.max_tokens,
             max_num_batched_tokens=max(2048, args.requests * args.prompt_len),
             enforce_eager=eager,
+            cpu_graphs=True,
         )
         engine, started = start(model, tokenizer, config)
         decode(engine, prompts, args.max_tokens)  # untimed: kernels compiled, caches warm
         results[eager] = (*decode(engine, prompts, args.max_tokens), started)
     (eager_s, eager_out, _), (graph_s, graph_out, captured) = results[True], results[False]
-    backend = device.type if device.type != "cpu" else "fx"
+    backend = engine.runner.graphs.backend
     shape = f"{args.requests} requests x {args.max_tokens} greedy tokens, prompts of {args.prompt_len}"
     print(f"tiny {arch}: {shape}, {device.type} {str(dtype).removeprefix('torch.')}")
     print(f"  decode step  eager {eager_s * 1e3:8.2f} ms  graphs ({backend}) {graph_s * 1e3:8.2f} ms"

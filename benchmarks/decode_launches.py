@@ -92,9 +92,9 @@ def decode_step(arch: str, requests: int, step: str) -> tuple[Counter, int]:
     engine = LLMEngine(model, load_tokenizer(path), config)
     runner = engine.runner
     if fixed:
-        from engine.decode_graphs import DecodeGraphs, table_width
+        from engine.decode_graphs import DecodeGraphs
 
-        runner.graphs = DecodeGraphs(model, runner.pools, 8, table_width(runner.pools.layout, 128), "eager")
+        runner.graphs = DecodeGraphs(model, runner.pools, 8, 128, "eager")
     gen = torch.Generator().manual_seed(3)
     for n in LENGTHS[:requests]:
         prompt = torch.randint(3, model.cfg.vocab_size, (n,), generator=gen).tolist()

@@ -48,12 +48,26 @@ def equal_prompts(count: int, length: int, vocab: int, seed: int = 0) -> list[li
 Placement = tuple[torch.device, torch.dtype]
 
 
-def engine_throughput(
+def start_engine(
     path: Path, prompts: list[list[int]], max_tokens: int, place: Placement, kv_cache_dtype: str = "auto"
-) -> tuple[float, list[list[int]]]:
+) -> LLMEngine:
+    """The engine sized for the workload, as a user serves it: ``max_num_seqs`` the requests,
+    ``max_model_len`` the longest prompt and its new tokens, decode graphs on every device (on the CPU,
+    ``cpu_graphs``: a graph's step computes over ``max_model_len``), captured here, before any timed run."""
     model = load_model(path, place[1], place[0])
-    config = EngineConfig(max_num_batched_tokens=2048, kv_cache_dtype=kv_cache_dtype)
-    engine = LLMEngine(model, load_tokenizer(path), config)
+    config = EngineConfig(
+        max_num_seqs=len(prompts),
+        max_model_len=max(map(len, prompts)) + max_tokens,
+        max_num_batched_tokens=2048,
+        kv_cache_dtype=kv_cache_dtype,
+        cpu_graphs=True,
+    )
+    return LLMEngine(model, load_tokenizer(path), config)
+
+
+def engine_throughput(
+    engine: LLMEngine, prompts: list[list[int]], max_tokens: int
+) -> tuple[float, list[list[int]]]:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     start = time.perf_counter()
     requests = [engine.add_request(p, params) for p in prompts]
@@ -103,11 +117,11 @@ def compare(
     kv_cache_dtype: str,
     repeat: int,
 ) -> None:
+    begin = time.perf_counter()
+    engine = start_engine(path, prompts, max_tokens, place, kv_cache_dtype)
+    started = time.perf_counter() - begin
     runs = [
-        (
-            engine_throughput(path, prompts, max_tokens, place, kv_cache_dtype),
-            transformers_throughput(path, prompts, max_tokens),
-        )
+        (engine_throughput(engine, prompts, max_tokens), transformers_throughput(path, prompts, max_tokens))
         for _ in range(repeat)
     ]
     (ours, our_out), (theirs, their_out) = (
@@ -119,6 +133,8 @@ def compare(
     mode = f"{batches} batch{'es' if batches > 1 else ''}, one per prompt length"
     print(f"tiny V4, {label}, {max_tokens} new tokens each, greedy:")
     where = f"{place[0].type} {str(place[1]).removeprefix('torch.')}, {kv_cache_dtype} KV cache"
+    graphs = engine.runner.graphs
+    where += f", decode graphs: {graphs.backend} (started in {started:.1f} s)" if graphs else ", eager"
     best = f"best of {repeat}"
     print(f"  engine        {ours_rate:8.1f} output tok/s ({ours:.1f} s {best}, {where})")
     print(f"  transformers  {their_rate:8.1f} output tok/s ({theirs:.1f} s {best}, {mode}, cpu float32)")

@@ -66,6 +66,8 @@ class EngineConfig:
     enable_expert_parallel: bool = _flag(False, "split the routed experts over the data-parallel ranks",
                                          cli=False)  # fmt: skip
     enforce_eager: bool = _flag(False, "capture no decode graphs: every step eager", cli=False)
+    cpu_graphs: bool = _flag(False, "on the CPU, replay decode steps as graphs too (TorchScript, no Python "
+                             "per op; seconds of capture per batch size at start)")  # fmt: skip
 
     @property
     def world_size(self) -> int:

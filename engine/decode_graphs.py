@@ -8,11 +8,12 @@ tensors are the graph's static inputs, filled each step by copies; the compresso
 are rows of the graph's own stacks; the host bookkeeping the forward defers (``Batch.after``) runs
 after the replay on the tensors the graph returns. Prefill and mixed steps stay eager.
 
-Backends: ``cuda`` (``torch.cuda.CUDAGraph``), ``npu`` (``torch.npu.NPUGraph``), and ``fx``, a
+Backends: ``cuda`` (``torch.cuda.CUDAGraph``), ``npu`` (``torch.npu.NPUGraph``), ``fx``, a
 ``make_fx`` trace of the same step (fake tensors: nothing runs while tracing, as in a device
 capture) replayed as a ``GraphModule``: the CPU proof that the step holds no host read or
-data-dependent shape, through the same capture and replay code. ``eager`` runs the fixed-shape
-step without a graph (what a replay must equal bit for bit).
+data-dependent shape, through the same capture and replay code; and ``cpu``, the CPU's own graphs
+(``engine.cpu_graph``: the torch references' aten ops, replayed from C++). ``eager`` runs the
+fixed-shape step without a graph (what a replay must equal bit for bit).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from model.compressor import CompressorState, adopt
 from triton_kernels.compressor import CompressorStates
 
 Outputs = tuple[torch.Tensor, ...]
-BACKENDS = ("cuda", "npu", "fx", "eager")
+BACKENDS = ("cuda", "npu", "cpu", "fx", "eager")
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -74,14 +75,15 @@ class DecodeGraphs:
         model: CausalLM,
         pools: KVPools,
         max_num_seqs: int,
-        max_blocks: int,
+        max_tokens: int,
         backend: str,
         widths: tuple[int, ...] = (1,),
     ):
         if backend not in BACKENDS:
             raise ValueError(f"backend: {backend!r} is not one of {BACKENDS}")
         self.model, self.pools, self.backend = model, pools, backend
-        self.sizes, self.max_blocks, self.widths = capture_sizes(max_num_seqs), max_blocks, widths
+        self.sizes, self.widths = capture_sizes(max_num_seqs), widths
+        self.max_tokens, self.max_blocks = max_tokens, table_width(pools.layout, max_tokens)
         self.device = model.embed.weight.device
         self.steps: dict[tuple[int, int], CapturedStep] = {}
         self.pool = torch.cuda.graph_pool_handle() if backend == "cuda" else None
@@ -90,13 +92,14 @@ class DecodeGraphs:
     def for_engine(
         cls, model: CausalLM, pools: KVPools, config: EngineConfig, drafts: int
     ) -> DecodeGraphs | None:
-        """The graphs an engine on a device captures (every size, plain and verifying decodes), None on
-        the CPU or with ``enforce_eager``."""
+        """The graphs an engine captures (every size, plain and verifying decodes): on a device unless
+        ``enforce_eager``, on the CPU when ``cpu_graphs`` asks; None otherwise."""
         kind = model.embed.weight.device.type
-        if config.enforce_eager or kind not in ("cuda", "npu"):
+        wanted = kind in ("cuda", "npu") or kind == "cpu" and config.cpu_graphs
+        if config.enforce_eager or not wanted:
             return None
-        blocks = table_width(pools.layout, config.max_model_len + drafts + config.lookahead)
-        graphs = cls(model, pools, config.max_num_seqs, blocks, kind, (1, 1 + drafts) if drafts else (1,))
+        tokens = config.max_model_len + drafts + config.lookahead
+        graphs = cls(model, pools, config.max_num_seqs, tokens, kind, (1, 1 + drafts) if drafts else (1,))
         graphs.capture_all()
         return graphs
 
@@ -104,16 +107,17 @@ class DecodeGraphs:
         """Capture every size at every width, largest first (the smaller ones reuse its memory pool)."""
         for width in self.widths:
             for size in reversed(self.sizes):
-                self.captured(DecodeShape(size, width, self.max_blocks))
+                self.captured(DecodeShape(size, width, self.max_blocks, self.max_tokens))
 
     def handles(self, seqs: list[SeqCache], lengths: list[int]) -> DecodeShape | None:
         """The shape a step of these chunks replays at, None if it runs eager."""
         width = lengths[0] if lengths else 0
         size = bucket(self.sizes, len(seqs))
         fits = all(len(t) <= self.max_blocks for s in seqs for t in s.tables.values())
+        fits = fits and all(s.num_tokens + width <= self.max_tokens for s in seqs)
         if width not in self.widths or set(lengths) != {width} or size is None or not fits:
             return None
-        return DecodeShape(size, width, self.max_blocks)
+        return DecodeShape(size, width, self.max_blocks, self.max_tokens)
 
     def run(
         self, shape: DecodeShape, seqs: list[SeqCache], ids: torch.Tensor
@@ -174,6 +178,10 @@ class DecodeGraphs:
             from torch.fx.experimental.proxy_tensor import make_fx
 
             return make_fx(forward, tracing_mode="fake", _allow_non_fake_inputs=True)()
+        if self.backend == "cpu":
+            from engine import cpu_graph
+
+            return cpu_graph.record(forward)
         graph = torch.cuda.CUDAGraph() if self.backend == "cuda" else torch.npu.NPUGraph()
         context = (
             torch.cuda.graph(graph, pool=self.pool) if self.backend == "cuda" else torch.npu.graph(graph)

@@ -340,12 +340,14 @@ class BoundaryState:
 @dataclass(frozen=True)
 class DecodeShape:
     """A decode step padded to a captured size: ``rows`` requests of ``width`` tokens each (1 + drafts),
-    block tables ``blocks`` wide. Every tensor of such a step has a shape these fix, so the step can
-    replay as a graph; its last rows may be padding (no blocks, every position -1, never advanced)."""
+    block tables ``blocks`` wide, no request past ``tokens`` tokens (so past ``tokens // ratio`` entries of
+    a compressed group). Every tensor of such a step has a shape these fix, so the step can replay as a
+    graph; its last rows may be padding (no blocks, every position -1, never advanced)."""
 
     rows: int
     width: int
     blocks: int
+    tokens: int
 
 
 @dataclass(frozen=True)
@@ -417,6 +419,8 @@ class Batch:
         if shape is not None:
             if width > shape.blocks:
                 raise ValueError(f"block tables: {width} blocks exceed the step's {shape.blocks}")
+            if (longest := max(s.num_tokens for s in seqs) + shape.width) > shape.tokens:
+                raise ValueError(f"requests: {longest} tokens exceed the step's {shape.tokens}")
             width = shape.blocks
         tables = {}
         for g in pools.groups:
@@ -530,10 +534,10 @@ class Batch:
             store_rows(rows, slots, pool.data)
 
     def max_entries(self, ratio: int) -> int:
-        """Entries of the request that has the most once this call's tokens are in; with ``shape``, what
-        the block tables can hold (a graph's shapes cannot follow the requests)."""
+        """Entries of the request that has the most once this call's tokens are in; with ``shape``, the
+        most a request of the shape can have (a graph's shapes cannot follow the requests)."""
         if self.shape is not None:
-            return self.shape.blocks * self.pools.slots_per_block[group_name(ratio)]
+            return self.shape.tokens // ratio
         return max(
             (s.num_tokens + hi - lo) // ratio for s, (lo, hi) in zip(self.seqs, self.bounds, strict=True)
         )

@@ -9,12 +9,18 @@ that gives the outputs' shapes and dtypes without running it. ``compress`` decla
 
 The functions below are what the model calls. Outside tracing they call the operator directly:
 the dispatcher's round trip costs several microseconds a call, which the CPU path feels; under
-``make_fx``, ``torch.export`` or dynamo they call the op, which the trace keeps as one node.
+``make_fx``, ``torch.export`` or dynamo they call the op, which the trace keeps as one node. Within
+``inline_references`` a trace records the CPU references themselves, aten op by aten op; ``RECORDED``
+is the decomposition table such a trace takes (aten ops whose meta function refuses what their CPU
+kernel runs, recorded as ops of ours).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -29,6 +35,7 @@ from triton_kernels import (
     rmsnorm,
     rope,
     router,
+    runtime,
     sparse_attn,
 )
 from triton_kernels import engram_gate as gating
@@ -43,18 +50,55 @@ from triton_kernels.quant_matmul import QuantWeight
 from triton_kernels.sparse_attn import KVPool
 
 Tensor = torch.Tensor
-_MODES = (torch._C._TorchDispatchModeKey.PROXY, torch._C._TorchDispatchModeKey.FAKE)
+_inline = False  # inline_references() is active
 
 
-def tracing() -> bool:
-    """A trace is being recorded (make_fx / export's proxy or fake mode, or dynamo)."""
-    return (
-        any(torch._C._get_dispatch_mode(key) is not None for key in _MODES) or torch.compiler.is_compiling()
-    )
+@contextlib.contextmanager
+def inline_references() -> Iterator[None]:
+    """While it lasts, a trace records each CPU reference's own aten ops instead of one node per operator
+    (a CPU graph: the replay then runs no Python). ``compress`` stays one node, as does ``moe_gemm`` over
+    quantised experts: their references find the closed windows / each expert's rows on the host."""
+    global _inline
+    _inline, before = True, _inline
+    try:
+        yield
+    finally:
+        _inline = before
 
 
-def _op(name: str, mutates: tuple[str, ...] = ()):
-    return torch.library.custom_op(f"dsv4::{name}", mutates_args=mutates)
+def tracing(host_reference: bool = False) -> bool:
+    """This call is recorded as one node: a trace runs, and either inlines no reference or this op's reads
+    its data on the host (``host_reference``)."""
+    return runtime.tracing() and (not _inline or host_reference)
+
+
+_LIB = torch.library.Library("dsv4", "DEF")
+
+
+@dataclass(frozen=True)
+class _Op:
+    """``torch.ops.dsv4.<name>``: calls it, and ``register_fake`` gives it its fake implementation."""
+
+    op: torch._ops.OpOverload
+
+    def __call__(self, *args: Any) -> Any:
+        return self.op(*args)
+
+    def register_fake(self, fake: Callable) -> Callable:
+        return torch.library.register_fake(self.op, fake, lib=_LIB)
+
+
+def _op(name: str, mutates: tuple[str, ...] = ()) -> Callable[[Callable], _Op]:
+    """Defines ``dsv4::<name>`` from the function's signature, the function running it on every backend.
+    A plain library op: a replayed graph calls it through the dispatcher in microseconds (``custom_op``
+    adds its autograd and view handling, about 100 us a call)."""
+
+    def define(fn: Callable) -> _Op:
+        _LIB.define(name + torch.library.infer_schema(fn, mutates_args=mutates))
+        _LIB.impl(name, fn, "CompositeExplicitAutograd")
+        return _Op(getattr(torch.ops.dsv4, name).default)
+
+    return define
 
 
 def _like(x: Tensor, *shape: int, dtype: torch.dtype | None = None) -> Tensor:
@@ -449,7 +493,7 @@ def compress(
     out_scale: Tensor | None = None,
 ) -> None:
     """``triton_kernels.compressor.compress`` with a state (the model's calls always carry one)."""
-    if not tracing():
+    if not tracing(host_reference=True):
         return compressor.compress(kv, gate, batch, states, params, out, out_scale)
     b, s, p = batch, states, params
     _compress(
@@ -631,7 +675,7 @@ def _(x, topk_ids, topk_weights, fmt, block, w1, w1_scale, w3, w3_scale, w2, w2_
 def moe_gemm(
     x: Tensor, topk_ids: Tensor, topk_weights: Tensor, experts: RoutedExperts, shared: Tensor | None = None
 ) -> Tensor:
-    if not tracing():
+    if not tracing(host_reference=not moe.dense_fp32(experts)):
         return moe.moe_gemm(x, topk_ids, topk_weights, experts, shared)
     w1, w3, w2 = experts.w1, experts.w3, experts.w2
     if (w1.format, w1.block) != (w2.format, w2.block):
@@ -640,6 +684,29 @@ def moe_gemm(
         x, topk_ids, topk_weights, w1.format, w1.block, w1.data, w1.scale, w3.data, w3.scale, w2.data,
         w2.scale, experts.hidden, experts.inter, experts.swiglu_limit, shared,
     )  # fmt: skip
+
+
+@_op("grouped_mm")
+def _grouped_mm(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
+    return torch._grouped_mm(a, b, offs=offs)
+
+
+@_grouped_mm.register_fake
+def _(a, b, offs):
+    return _like(a, a.shape[0], b.shape[-1])
+
+
+def _record_grouped_mm(
+    a: Tensor, b: Tensor, offs: Tensor | None = None, bias: Tensor | None = None, out_dtype=None
+) -> Tensor:
+    """aten's ``_grouped_mm`` of the fp32 experts (``[M, K]`` rows, ``[G, K, N]`` weights, ``offs``) as our
+    op: its CPU kernel runs fp32, its meta function takes bf16 only. Other calls are left to aten."""
+    if offs is None or bias is not None or out_dtype not in (None, a.dtype) or (a.dim(), b.dim()) != (2, 3):
+        return NotImplemented
+    return _grouped_mm(a, b, offs)
+
+
+RECORDED = {torch.ops.aten._grouped_mm.default: _record_grouped_mm}
 
 
 # --- Engram ---------------------------------------------------------------------------------------

@@ -223,13 +223,15 @@ def _sinkhorn_(comb: torch.Tensor, hc_eps: float, iters: int) -> None:
 
     Tokens last: both sums run over an outer axis, adding whole rows of tokens one after another (the order
     of a sum over 4 contiguous values too, so the result is the same bit for bit). The iterations are
-    many tiny ops: on the CPU, numpy's calls cost a fraction of torch's dispatch, and no call allocates.
+    many tiny ops: on the CPU, numpy's calls cost a fraction of torch's dispatch, and no call allocates
+    (a trace records torch's).
     """
     n, _, t = comb.shape
     cols, rows = comb.new_empty(1, n, t), comb.new_empty(n, 1, t)  # sums over axis 0, over axis 1
-    if comb.device.type != "cpu":
+    if comb.device.type != "cpu" or runtime.tracing():
+        eps = comb.new_full((), hc_eps)  # a tensor of comb's dtype: added as the number is, with no cast
         for axis, total in [(0, cols)] + [(1, rows), (0, cols)] * (iters - 1):
-            comb.div_(torch.sum(comb, axis, keepdim=True, out=total).add_(hc_eps))
+            comb.div_(torch.sum(comb, axis, keepdim=True, out=total).add_(eps))
         return
     a, cols_np, rows_np = comb.detach().numpy(), cols.numpy(), rows.numpy()
     for axis, total in [(0, cols_np)] + [(1, rows_np), (0, cols_np)] * (iters - 1):

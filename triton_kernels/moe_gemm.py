@@ -313,10 +313,14 @@ def moe_gemm_ref(
     t, k = topk_ids.shape
     routing = sort_by_expert(topk_ids, topk_weights, experts.num_experts)
     rows, weights = x[routing.tokens].float(), routing.weights[:, None]  # gathered once, in expert order
-    stacks = (experts.w1, experts.w3, experts.w2)
-    fp32 = all(w.format == DENSE and w.data.dtype == torch.float32 for w in stacks)
-    y = (_fp32_experts if fp32 else _decoded_experts)(rows, routing, experts) * weights
+    y = (_fp32_experts if dense_fp32(experts) else _decoded_experts)(rows, routing, experts) * weights
     return combine_ref(y, routing.inverse, k, x.dtype, shared)
+
+
+def dense_fp32(experts: RoutedExperts) -> bool:
+    """Every stack stored dense in fp32: the reference runs them as grouped GEMMs, with no host read."""
+    stacks = (experts.w1, experts.w3, experts.w2)
+    return all(w.format == DENSE and w.data.dtype == torch.float32 for w in stacks)
 
 
 def combine_ref(

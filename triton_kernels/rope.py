@@ -178,19 +178,25 @@ def _angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tens
     """``cos [T, 2P]`` repeated per pair and ``sin [T, 2P]`` negated on the even channels.
 
     A step rotates queries, keys and the attention output of every layer at the same positions tensor:
-    its angles are computed once per table and reused while neither tensor changes.
+    its angles are computed once per table and reused while neither tensor changes (a trace computes
+    them: its graph reads the positions of each replay).
     """
+    if runtime.tracing():
+        return _cos_sin(positions, inv_freq)
     tables = _ANGLES.setdefault(positions, {})
     versions = (positions._version, inv_freq._version)
     hit = tables.get(id(inv_freq))  # the entry holds inv_freq, so its id is not reused meanwhile
     if hit is not None and hit[1] == versions:
         return hit[2], hit[3]
+    cos, sin = _cos_sin(positions, inv_freq)
+    tables[id(inv_freq)] = (inv_freq, versions, cos, sin)
+    return cos, sin
+
+
+def _cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     angle = positions.float()[:, None] * inv_freq[None, :]
     cos, sin = angle.cos(), angle.sin()
-    cos2 = torch.stack((cos, cos), dim=-1).flatten(-2)
-    sin2 = torch.stack((-sin, sin), dim=-1).flatten(-2)
-    tables[id(inv_freq)] = (inv_freq, versions, cos2, sin2)
-    return cos2, sin2
+    return torch.stack((cos, cos), dim=-1).flatten(-2), torch.stack((-sin, sin), dim=-1).flatten(-2)
 
 
 @triton.jit(do_not_specialize=["R"])

@@ -8,7 +8,8 @@ sends every operator to its torch reference, for debugging; ``DSV4_TRITON_ON_CPU
 ``TRITON_INTERPRET=1`` sends CPU tensors to the Triton kernels instead (a whole model on the interpreter).
 ``DSV4_CHECK_RANGES=1`` makes the operators validate their index ranges, a device-to-host read per
 call; it is off in production, where the engine validates the indices once on the host when it builds
-the batch, and on in tests (read once per process).
+the batch, and on in tests (read once per process), never while a trace records (``tracing``: a graph
+reads nothing back).
 
 The SKU (``sku()``) is the device name made path-safe; ``DSV4_SKU`` overrides it (tests and sweeps
 switch profiles with it). Core counts and the on-chip budget come from the SKU's profile
@@ -53,9 +54,24 @@ def force_torch() -> bool:
     return os.environ.get("DSV4_FORCE_TORCH", "0").lower() in _TRUE
 
 
-@functools.cache
 def check_ranges() -> bool:
+    return _ranges_asked() and not tracing()
+
+
+@functools.cache
+def _ranges_asked() -> bool:
     return os.environ.get("DSV4_CHECK_RANGES", "0").lower() in _TRUE
+
+
+_TRACE_MODES = (torch._C._TorchDispatchModeKey.PROXY, torch._C._TorchDispatchModeKey.FAKE)
+
+
+def tracing() -> bool:
+    """A trace is being recorded (make_fx / export's proxy or fake mode, or dynamo)."""
+    return (
+        any(torch._C._get_dispatch_mode(key) is not None for key in _TRACE_MODES)
+        or torch.compiler.is_compiling()
+    )
 
 
 def interpreter_active() -> bool:

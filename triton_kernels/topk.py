@@ -111,9 +111,7 @@ def block_scores_ref(scores: torch.Tensor, visible: torch.Tensor, block_size: in
     padded[:, :n] = scores.masked_fill(hidden, float("-inf"))
     maxima = padded.view(t, blocks, block_size).amax(dim=-1)
     newest = (visible.long() - 1).div(block_size, rounding_mode="floor")  # -1 when nothing is visible
-    rows = torch.nonzero(newest >= 0).flatten()
-    maxima[rows, newest[rows]] = float("inf")
-    return maxima
+    return maxima.masked_fill(torch.arange(blocks, device=scores.device) == newest[:, None], float("inf"))
 
 
 def candidate_blocks_ref(

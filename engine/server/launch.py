@@ -47,7 +47,7 @@ def memory_budget(args: argparse.Namespace, config: EngineConfig) -> dict:
         "kv_cache_dtype": config.kv_cache_dtype,
         "engram_offload": config.engram_offload,
         "graph_tokens": 0
-        if config.enforce_eager or runtime.backend() == "cpu"
+        if config.enforce_eager or runtime.backend() == "cpu" and not config.cpu_graphs
         else config.max_num_seqs * config.decode_width,
     }
 

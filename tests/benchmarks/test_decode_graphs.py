@@ -14,7 +14,7 @@ def test_benchmark_times_both_sides_and_compares_their_outputs(capsys: pytest.Ca
     header, row = capsys.readouterr().out.splitlines()
     assert header == "tiny v4: 3 requests x 4 greedy tokens, prompts of 5, cpu float32"
     found = re.fullmatch(
-        r"  decode step  eager +([\d.]+) ms  graphs \(fx\) +([\d.]+) ms  speed-up +([\d.]+)"
+        r"  decode step  eager +([\d.]+) ms  graphs \(cpu\) +([\d.]+) ms  speed-up +([\d.]+)"
         r"  captured in ([\d.]+) s  same output (True|False)",
         row,
     )

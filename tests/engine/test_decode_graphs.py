@@ -3,8 +3,9 @@
 The ``fx`` backend traces a decode step with ``make_fx`` on fake tensors (nothing runs while tracing,
 as in a device capture: a host read or a data-dependent shape fails the trace) and replays the
 ``GraphModule`` each step after filling its static inputs, exactly as the CUDA / NPU backends replay
-theirs. Its steps must equal the ``eager`` backend's (the same fixed-shape step, run each time) bit for
-bit, and agree with the engine's plain eager steps (whose shapes follow the requests) to rounding.
+theirs; the ``cpu`` backend traces the torch references op by op and replays them as TorchScript. Their
+steps must equal the ``eager`` backend's (the same fixed-shape step, run each time) bit for bit, and
+agree with the engine's plain eager steps (whose shapes follow the requests) to rounding.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.decode_graphs import DecodeGraphs, bucket, capture_sizes, table_width
+from engine.cpu_graph import static
+from engine.decode_graphs import DecodeGraphs, bucket, capture_sizes
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.request import SamplingParams
 from engine.server.args import engine_config, parse_args
@@ -45,9 +47,7 @@ def decoding_engine(
     runner = engine.runner
     if backend is not None:
         widths = (1, 1 + drafts) if drafts else (1,)
-        runner.graphs = DecodeGraphs(
-            model, runner.pools, 8, table_width(engine.cache.layout, 96 + drafts), backend, widths
-        )
+        runner.graphs = DecodeGraphs(model, runner.pools, 8, 96 + drafts, backend, widths)
     gen = torch.Generator().manual_seed(3)
     for n in lengths:
         prompt = torch.randint(3, model.cfg.vocab_size, (n,), generator=gen).tolist()
@@ -72,21 +72,23 @@ def test_capture_sizes_and_buckets() -> None:
     assert [bucket(sizes, n) for n in (1, 3, 5, 9, 17, 20, 21)] == [1, 4, 8, 16, 20, 20, None]
 
 
+@pytest.mark.parametrize("backend", ["fx", "cpu"])
 @pytest.mark.parametrize("arch", ["v4", "v41"])
 @pytest.mark.parametrize("requests", [4, 3])  # a capture size, and one padded to it
-def test_replayed_decode_steps_equal_eager(arch: str, requests: int) -> None:
+def test_replayed_decode_steps_equal_eager(backend: str, arch: str, requests: int) -> None:
     lengths = LENGTHS[:requests]
-    runs = {backend: decoding_engine(arch, lengths, backend) for backend in ("fx", "eager", None)}
+    runs = {name: decoding_engine(arch, lengths, name) for name in (backend, "eager", None)}
     for _ in range(STEPS):
         for engine, _ in runs.values():
             engine.step()
     (graphs, replayed), (_, fixed), (_, plain) = runs.values()
     assert list(graphs.runner.graphs.steps) == [(4, 1)]
     module = graphs.runner.graphs.steps[4, 1].replay
-    assert isinstance(module, torch.fx.GraphModule)
-    assert not [
-        n for n in module.graph.nodes if "nonzero" in str(n.target) or "_local_scalar" in str(n.target)
-    ]
+    if backend == "fx":
+        assert isinstance(module, torch.fx.GraphModule)
+        assert not [
+            n for n in module.graph.nodes if "nonzero" in str(n.target) or "_local_scalar" in str(n.target)
+        ]
     for got, want, loose in zip(replayed, fixed, plain, strict=True):
         assert torch.equal(got, want)
         torch.testing.assert_close(got, loose, rtol=1e-4, atol=1e-4)
@@ -94,11 +96,10 @@ def test_replayed_decode_steps_equal_eager(arch: str, requests: int) -> None:
     assert outputs[0] == outputs[1] == outputs[2]
 
 
+@pytest.mark.parametrize("backend", ["fx", "cpu"])
 @pytest.mark.parametrize("arch", ["v4", "v41"])
-def test_replayed_verification_steps_equal_eager(arch: str) -> None:
-    runs = {
-        backend: decoding_engine(arch, LENGTHS[:3], backend, drafts=2) for backend in ("fx", "eager", None)
-    }
+def test_replayed_verification_steps_equal_eager(backend: str, arch: str) -> None:
+    runs = {name: decoding_engine(arch, LENGTHS[:3], name, drafts=2) for name in (backend, "eager", None)}
     for _ in range(STEPS):
         for engine, _ in runs.values():
             engine.step()
@@ -111,12 +112,27 @@ def test_replayed_verification_steps_equal_eager(arch: str) -> None:
     assert outputs[0] == outputs[1] == outputs[2]
 
 
-def test_enforce_eager_and_the_cpu_capture_nothing() -> None:
+def test_the_cpu_captures_its_graphs_when_asked() -> None:
     assert engine_config(parse_args(["--enforce-eager"])).enforce_eager
+    assert engine_config(parse_args(["--cpu-graphs"])).cpu_graphs
     assert not engine_config(parse_args([])).enforce_eager
+    assert not engine_config(parse_args([])).cpu_graphs
     path = cached_tiny("v4")
-    engine = LLMEngine(load_model(path), load_tokenizer(path), EngineConfig(max_model_len=96))
-    assert engine.runner.graphs is None  # the CPU gains nothing from a graph
+    model, tokenizer = load_model(path), load_tokenizer(path)
+    assert LLMEngine(model, tokenizer, EngineConfig(max_model_len=96)).runner.graphs is None
+    eager = EngineConfig(max_model_len=96, cpu_graphs=True, enforce_eager=True)
+    assert LLMEngine(model, tokenizer, eager).runner.graphs is None
+    graphs = LLMEngine(model, tokenizer, EngineConfig(max_num_seqs=1, max_model_len=96, cpu_graphs=True))
+    assert graphs.runner.graphs.backend == "cpu"
+    assert list(graphs.runner.graphs.steps) == [(1, 1)]  # every size captured at start
+
+
+def test_a_data_dependent_size_is_not_replayed() -> None:
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    traced = make_fx(lambda x: x.nonzero().view(-1), tracing_mode="symbolic")(torch.arange(4))
+    with pytest.raises(RuntimeError, match="data-dependent size"):
+        static(traced)
 
 
 DEVICES = [

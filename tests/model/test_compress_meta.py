@@ -26,7 +26,7 @@ def test_eager_step_batch_is_as_built(ratio: int) -> None:
 @pytest.mark.parametrize("ratio", [1, 2, 4, 128])
 def test_fixed_shape_step_batch_is_as_built(ratio: int) -> None:
     """Three requests of two tokens each, the last a padding row (position -1)."""
-    shape = DecodeShape(rows=3, width=2, blocks=1)
+    shape = DecodeShape(rows=3, width=2, blocks=1, tokens=256)
     positions = torch.tensor([2, 3, 126, 127, -1, -1])
     request = torch.arange(3).repeat_interleave(2)
     _assert_as_built(_compress_meta(ratio, shape, positions, request).batch, ratio)

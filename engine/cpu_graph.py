@@ -1,0 +1,65 @@
+"""The CPU's decode graphs: a decode step recorded once as aten ops and replayed from C++.
+
+A toy model's step on the CPU is dispatch-bound: its torch references spend as long in Python as in
+their ops. ``record`` traces the step with ``make_fx`` on fake tensors (nothing runs, as in a device
+capture) while the custom ops inline their references (``inline_references``): the graph holds the
+references' own aten ops, except the few whose reference reads its data on the host (``compress``),
+which stay one op each. TorchScript then replays those ops with no optimisation pass (no fusion, no
+reordering): each runs as eager runs it, so a replay equals the eager step bit for bit, without the
+Python around the ops.
+
+``torch.jit.trace`` is deprecated upstream, without a successor that replays aten ops as they are
+(``torch.compile`` fuses and reorders them, which changes the rounding); torch is pinned, and the
+replay tests fail if it stops working.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+from triton_kernels.custom_ops import RECORDED, inline_references
+
+Outputs = tuple[torch.Tensor, ...]
+
+
+def record(forward: Callable[[], Outputs]) -> Callable[[], Outputs]:
+    """``forward`` (no inputs: it reads static tensors) as a replay of its recorded aten ops."""
+    with inline_references():
+        traced = make_fx(forward, RECORDED, tracing_mode="fake", _allow_non_fake_inputs=True)()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*torch\.jit\.trace", category=DeprecationWarning)
+        script = torch.jit.trace(scalar_overloads(static(traced)), (), check_trace=False)
+
+    def replay() -> Outputs:
+        with torch.jit.optimized_execution(False):
+            return script()
+
+    return replay
+
+
+def static(traced: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """``traced``, refused where a size in it depends on the data: a replay would keep the traced size."""
+    for node in traced.graph.nodes:
+        if free_unbacked_symbols(node.meta.get("val")):
+            raise RuntimeError(f"decode step: {node.format_node()} has a data-dependent size, not replayable")
+    return traced
+
+
+def scalar_overloads(traced: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """``traced`` with each Python number given to a ``.Tensor`` overload (``x.add_(eps)``) given to its
+    ``.Scalar`` one instead, which aten runs as the same call: TorchScript would store the number as a
+    tensor and convert it at every replay."""
+    for node in traced.graph.nodes:
+        target, args = node.target, node.args
+        if not isinstance(target, torch._ops.OpOverload) or target._overloadname != "Tensor" or len(args) < 2:
+            continue
+        scalar = getattr(target.overloadpacket, "Scalar", None)
+        if scalar is not None and isinstance(args[1], int | float) and isinstance(args[0], torch.fx.Node):
+            node.target = scalar
+    traced.recompile()
+    return traced
