@@ -26,6 +26,12 @@ from triton_kernels.custom_ops import RECORDED, inline_references
 
 Outputs = tuple[torch.Tensor, ...]
 
+# aten's view.dtype (a bitcast view) as TorchScript can replay it: its tracer records the dtype as an int,
+# which its alias analysis then matches to no overload of aten::view.
+_LIB = torch.library.Library("dsv4_cpu_graph", "DEF")
+_LIB.define("view_dtype(Tensor(a) self, ScalarType dtype) -> Tensor(a)")
+_LIB.impl("view_dtype", lambda x, dtype: x.view(dtype), "CompositeExplicitAutograd")
+
 
 def record(forward: Callable[[], Outputs]) -> Callable[[], Outputs]:
     """``forward`` (no inputs: it reads static tensors) as a replay of its recorded aten ops."""
@@ -33,7 +39,7 @@ def record(forward: Callable[[], Outputs]) -> Callable[[], Outputs]:
         traced = make_fx(forward, RECORDED, tracing_mode="fake", _allow_non_fake_inputs=True)()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r".*torch\.jit\.trace", category=DeprecationWarning)
-        script = torch.jit.trace(scalar_overloads(static(traced)), (), check_trace=False)
+        script = torch.jit.trace(replayable(static(traced)), (), check_trace=False)
 
     def replay() -> Outputs:
         with torch.jit.optimized_execution(False):
@@ -50,12 +56,14 @@ def static(traced: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return traced
 
 
-def scalar_overloads(traced: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """``traced`` with each Python number given to a ``.Tensor`` overload (``x.add_(eps)``) given to its
-    ``.Scalar`` one instead, which aten runs as the same call: TorchScript would store the number as a
-    tensor and convert it at every replay."""
+def replayable(traced: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """``traced`` as TorchScript replays it best: each Python number given to a ``.Tensor`` overload
+    (``x.add_(eps)``) given to its ``.Scalar`` one instead, which aten runs as the same call (TorchScript
+    would store the number as a tensor and convert it at every replay), and ``view.dtype`` as ours."""
     for node in traced.graph.nodes:
         target, args = node.target, node.args
+        if target == torch.ops.aten.view.dtype:
+            node.target = torch.ops.dsv4_cpu_graph.view_dtype.default
         if not isinstance(target, torch._ops.OpOverload) or target._overloadname != "Tensor" or len(args) < 2:
             continue
         scalar = getattr(target.overloadpacket, "Scalar", None)

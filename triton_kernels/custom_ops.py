@@ -56,8 +56,9 @@ _inline = False  # inline_references() is active
 @contextlib.contextmanager
 def inline_references() -> Iterator[None]:
     """While it lasts, a trace records each CPU reference's own aten ops instead of one node per operator
-    (a CPU graph: the replay then runs no Python). ``compress`` stays one node, as does ``moe_gemm`` over
-    quantised experts: their references find the closed windows / each expert's rows on the host."""
+    (a CPU graph: the replay then runs no Python), except for the ops it keeps ``whole``: ``compress``
+    and ``store_quantized``, whose references find the closed windows and the rows to store on the host,
+    and the GEMMs over quantised weights, whose references decode them in thousands of ops a call."""
     global _inline
     _inline, before = True, _inline
     try:
@@ -66,10 +67,10 @@ def inline_references() -> Iterator[None]:
         _inline = before
 
 
-def tracing(host_reference: bool = False) -> bool:
-    """This call is recorded as one node: a trace runs, and either inlines no reference or this op's reads
-    its data on the host (``host_reference``)."""
-    return runtime.tracing() and (not _inline or host_reference)
+def tracing(whole: bool = False) -> bool:
+    """This call is recorded as one node: a trace runs, and it inlines no reference or keeps this one
+    ``whole``."""
+    return runtime.tracing() and (not _inline or whole)
 
 
 _LIB = torch.library.Library("dsv4", "DEF")
@@ -493,7 +494,7 @@ def compress(
     out_scale: Tensor | None = None,
 ) -> None:
     """``triton_kernels.compressor.compress`` with a state (the model's calls always carry one)."""
-    if not tracing(host_reference=True):
+    if not tracing(whole=True):
         return compressor.compress(kv, gate, batch, states, params, out, out_scale)
     b, s, p = batch, states, params
     _compress(
@@ -548,7 +549,7 @@ def _(rows, slots, codes, scale, rope):
 
 
 def store_quantized(rows: Tensor, slots: Tensor, cache: QuantizedRows) -> None:
-    if not tracing():
+    if not tracing(whole=True):
         return kv_store.store_quantized(rows, slots, cache)
     return _store_quantized(rows, slots, cache.codes, cache.scale, cache.rope)
 
@@ -636,7 +637,9 @@ def _(x, fmt, data, scale, block, in_features):
 
 
 def quant_matmul(x: Tensor, weight: QuantWeight) -> Tensor:
-    return _quant_matmul(x, *_weight_args(weight)) if tracing() else qmm.quant_matmul(x, weight)
+    if tracing(whole=weight.format != qmm.DENSE):
+        return _quant_matmul(x, *_weight_args(weight))
+    return qmm.quant_matmul(x, weight)
 
 
 @_op("moe_gemm")
@@ -675,7 +678,7 @@ def _(x, topk_ids, topk_weights, fmt, block, w1, w1_scale, w3, w3_scale, w2, w2_
 def moe_gemm(
     x: Tensor, topk_ids: Tensor, topk_weights: Tensor, experts: RoutedExperts, shared: Tensor | None = None
 ) -> Tensor:
-    if not tracing(host_reference=not moe.dense_fp32(experts)):
+    if not tracing(whole=not moe.dense_fp32(experts)):
         return moe.moe_gemm(x, topk_ids, topk_weights, experts, shared)
     w1, w3, w2 = experts.w1, experts.w3, experts.w2
     if (w1.format, w1.block) != (w2.format, w2.block):

@@ -10,6 +10,8 @@ agree with the engine's plain eager steps (whose shapes follow the requests) to 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -20,7 +22,7 @@ from engine.request import SamplingParams
 from engine.server.args import engine_config, parse_args
 from engine.spec_decode.proposer import ScriptedProposer
 from model.checkpoint import load_model
-from model.testing.tiny import cached_tiny
+from model.testing.tiny import cached_tiny, write_tiny
 from model.tokenizer import load_tokenizer
 from triton_kernels import runtime
 
@@ -125,6 +127,28 @@ def test_the_cpu_captures_its_graphs_when_asked() -> None:
     graphs = LLMEngine(model, tokenizer, EngineConfig(max_num_seqs=1, max_model_len=96, cpu_graphs=True))
     assert graphs.runner.graphs.backend == "cpu"
     assert list(graphs.runner.graphs.steps) == [(1, 1)]  # every size captured at start
+
+
+@pytest.mark.parametrize(("fp8", "kv_cache_dtype"), [(True, "auto"), (False, "int8")])
+def test_cpu_graphs_over_quantised_weights_or_caches_keep_the_greedy_output(
+    fp8: bool, kv_cache_dtype: str, tmp_path: Path
+) -> None:
+    """FP8 weights and an int8 KV cache: the ops whose references a CPU graph keeps whole."""
+    path, outputs = write_tiny(tmp_path / "tiny", "v4", fp8=fp8), []
+    for graphs in (False, True):
+        config = EngineConfig(
+            max_num_seqs=2, max_model_len=64, kv_cache_dtype=kv_cache_dtype, cpu_graphs=graphs
+        )
+        engine = LLMEngine(load_model(path), load_tokenizer(path), config)
+        assert (engine.runner.graphs is not None) == graphs
+        requests = [
+            engine.add_request(list(range(3, 3 + n)), SamplingParams(max_tokens=8, temperature=0.0))
+            for n in (5, 19)
+        ]
+        while engine.has_work:
+            engine.step()
+        outputs.append([list(r.output) for r in requests])
+    assert outputs[0] == outputs[1]
 
 
 def test_a_data_dependent_size_is_not_replayed() -> None:

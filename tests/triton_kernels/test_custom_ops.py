@@ -35,7 +35,7 @@ def step_logits(arch: str, through_ops: bool, monkeypatch: pytest.MonkeyPatch, h
     forward = model.batch_forward
 
     def recorded(*args):
-        monkeypatch.setattr(custom_ops, "tracing", lambda host_reference=False: through_ops)
+        monkeypatch.setattr(custom_ops, "tracing", lambda whole=False: through_ops)
         try:
             with hook or torch.no_grad():
                 seen.append(forward(*args))
