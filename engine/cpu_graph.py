@@ -35,11 +35,14 @@ _LIB.impl("view_dtype", lambda x, dtype: x.view(dtype), "CompositeExplicitAutogr
 
 def record(forward: Callable[[], Outputs]) -> Callable[[], Outputs]:
     """``forward`` (no inputs: it reads static tensors) as a replay of its recorded aten ops."""
-    with inline_references():
-        traced = make_fx(forward, RECORDED, tracing_mode="fake", _allow_non_fake_inputs=True)()
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r".*torch\.jit\.trace", category=DeprecationWarning)
-        script = torch.jit.trace(replayable(static(traced)), (), check_trace=False)
+    try:
+        with inline_references():
+            traced = make_fx(forward, RECORDED, tracing_mode="fake", _allow_non_fake_inputs=True)()
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r".*torch\.jit\.trace", category=DeprecationWarning)
+            script = torch.jit.trace(replayable(static(traced)), (), check_trace=False)
+    except Exception as error:
+        raise RuntimeError(f"cpu_graphs: the decode step does not record as a CPU graph: {error}") from error
 
     def replay() -> Outputs:
         with torch.jit.optimized_execution(False):
