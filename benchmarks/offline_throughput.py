@@ -8,7 +8,9 @@
     batch: equal lengths need no padding), both greedy; the ratio, and whether the outputs are identical.
 (b) The same for requests of mixed lengths against transformers' best mode for them: one batch per prompt
     length (its V4 cache has no padding support, so prompts of different lengths cannot share a batch).
-Our engine runs on ``--device`` in ``--dtype``, its KV cache rows stored as ``--kv-cache-dtype``;
+Our engine runs on ``--device`` in ``--dtype``, its KV cache rows stored as ``--kv-cache-dtype``, sized for
+the workload and with its decode graphs (``start_engine``: on the CPU ``cpu_graphs``, captured before the
+timed runs, the start-up time printed);
 transformers stays the fp32 CPU reference (outputs in bf16 or over a quantised cache need not match it
 token for token). Both are measured side by side in one run, ``--repeat`` times each, taking turns, and
 each side's fastest run counts (a shared machine's slow phases otherwise decide the ratio: one engine run
