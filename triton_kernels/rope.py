@@ -29,6 +29,7 @@ Kernel
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Protocol
 
 import torch
@@ -172,18 +173,22 @@ def _rotated_ref(
 
 # positions -> id(inv_freq) -> (inv_freq, both versions, cos, sin); an entry lives as long as its positions.
 _ANGLES: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+# A trace's recorder -> its own such table (of the trace's tensors), gone with the trace.
+_TRACED_ANGLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``cos [T, 2P]`` repeated per pair and ``sin [T, 2P]`` negated on the even channels.
 
     A step rotates queries, keys and the attention output of every layer at the same positions tensor:
-    its angles are computed once per table and reused while neither tensor changes (a trace computes
-    them: its graph reads the positions of each replay).
+    its angles are computed once per table and reused while neither tensor changes. A trace keeps its
+    own (its graph computes them from the positions of each replay, once).
     """
-    if runtime.tracing():
+    recorder = runtime.trace_recorder()
+    if recorder is None and runtime.tracing():  # dynamo: nothing outlives a call
         return _cos_sin(positions, inv_freq)
-    tables = _ANGLES.setdefault(positions, {})
+    traced = None if recorder is None else _TRACED_ANGLES.setdefault(recorder, WeakTensorKeyDictionary())
+    tables = (_ANGLES if traced is None else traced).setdefault(positions, {})
     versions = (positions._version, inv_freq._version)
     hit = tables.get(id(inv_freq))  # the entry holds inv_freq, so its id is not reused meanwhile
     if hit is not None and hit[1] == versions:

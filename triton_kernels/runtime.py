@@ -74,6 +74,12 @@ def tracing() -> bool:
     )
 
 
+def trace_recorder() -> object | None:
+    """The mode recording the trace under way (make_fx / export's proxy mode): it lives as long as the
+    trace, so what one trace computes can be kept for it alone. None under dynamo or outside a trace."""
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY)
+
+
 def interpreter_active() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in _TRUE
 
