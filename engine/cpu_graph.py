@@ -3,10 +3,10 @@
 A toy model's step on the CPU is dispatch-bound: its torch references spend as long in Python as in
 their ops. ``record`` traces the step with ``make_fx`` on fake tensors (nothing runs, as in a device
 capture) while the custom ops inline their references (``inline_references``): the graph holds the
-references' own aten ops, except the few whose reference reads its data on the host (``compress``),
-which stay one op each. TorchScript then replays those ops with no optimisation pass (no fusion, no
-reordering): each runs as eager runs it, so a replay equals the eager step bit for bit, without the
-Python around the ops.
+references' own aten ops, except the few it keeps whole, one op each (``compress``, whose reference
+finds its windows on the host, among them). TorchScript then replays those ops with no optimisation
+pass (no fusion, no reordering): each runs as eager runs it, so a replay equals the eager step bit for
+bit, without the Python around the ops.
 
 ``torch.jit.trace`` is deprecated upstream, without a successor that replays aten ops as they are
 (``torch.compile`` fuses and reorders them, which changes the rounding); torch is pinned, and the
