@@ -64,7 +64,10 @@ def _accesses(mlir: str) -> Iterator[tuple[str, bool, str]]:
         yield kind, count >= (2 if kind == "load" else 3), keys.get(alias, alias)
 
 
-LINT_TRIES = 4
+# The adapter's crashes come and go run by run: one compressor kernel's TTIR crashed it 10 times in 40
+# runs (25 %), four crashes in a row failed a CI run. Eight tries leave such an input a 1.5e-5 chance
+# of failing the gate; a kernel that crashes the adapter every time still fails it.
+LINT_TRIES = 8
 
 
 class LintCrash(RuntimeError):
