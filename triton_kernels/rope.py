@@ -184,11 +184,13 @@ def _angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tens
     its angles are computed once per table and reused while neither tensor changes. A trace keeps its
     own (its graph computes them from the positions of each replay, once).
     """
-    recorder = runtime.trace_recorder()
-    if recorder is None and runtime.tracing():  # dynamo: nothing outlives a call
-        return _cos_sin(positions, inv_freq)
-    traced = None if recorder is None else _TRACED_ANGLES.setdefault(recorder, WeakTensorKeyDictionary())
-    tables = (_ANGLES if traced is None else traced).setdefault(positions, {})
+    by_positions = _ANGLES
+    if runtime.tracing():
+        recorder = runtime.trace_recorder()
+        if recorder is None:  # dynamo: nothing outlives a call
+            return _cos_sin(positions, inv_freq)
+        by_positions = _TRACED_ANGLES.setdefault(recorder, WeakTensorKeyDictionary())
+    tables = by_positions.setdefault(positions, {})
     versions = (positions._version, inv_freq._version)
     hit = tables.get(id(inv_freq))  # the entry holds inv_freq, so its id is not reused meanwhile
     if hit is not None and hit[1] == versions:
