@@ -150,22 +150,26 @@ def quantize_codes_ref(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tenso
 
 
 def store_rows_ref(rows: torch.Tensor, slots: torch.Tensor, pool: torch.Tensor) -> None:
-    # A row of slot -1 writes the first kept row again (the same value twice), or, when none is kept, the
-    # pool's own row back: an index_put of distinct targets, whatever the slots.
+    """``pool[slots] = rows`` (any trailing shape) where ``slots >= 0``, as one ``index_put_`` of every row
+    (no host read: a graph replays it whatever the slots). A row of slot -1 writes the first kept row
+    again (its slot, its value), or, when none is kept, the pool's own row back: a slot two rows share
+    gets the same value from both."""
+    if not len(slots):
+        return
     keep = slots >= 0
     source = torch.where(keep, torch.arange(len(slots), device=slots.device), keep.int().argmax())
     target = slots[source].clamp(min=0)
-    pool.index_put_((target,), torch.where(keep[source, None], rows[source].to(pool.dtype), pool[target]))
+    kept = keep[source].view(-1, *[1] * (rows.dim() - 1))
+    pool.index_put_((target,), torch.where(kept, rows[source].to(pool.dtype), pool[target]))
 
 
 def store_quantized_ref(rows: torch.Tensor, slots: torch.Tensor, cache: QuantizedRows) -> None:
-    keep = slots >= 0
-    rows, slots = rows[keep], slots[keep].long()
     nope = cache.codes.shape[1]
     codes, scale = quantize_codes_ref(rows[:, :nope], cache.codes.dtype)
-    cache.codes[slots], cache.scale[slots] = codes, scale
+    store_rows_ref(codes, slots, cache.codes)
+    store_rows_ref(scale, slots, cache.scale)
     if cache.rope is not None:
-        cache.rope[slots] = rows[:, nope:].to(cache.rope.dtype)
+        store_rows_ref(rows[:, nope:], slots, cache.rope)
 
 
 @triton.jit
