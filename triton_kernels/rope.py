@@ -29,7 +29,6 @@ Kernel
 from __future__ import annotations
 
 import math
-import weakref
 from typing import Protocol
 
 import torch
@@ -173,8 +172,6 @@ def _rotated_ref(
 
 # positions -> id(inv_freq) -> (inv_freq, both versions, cos, sin); an entry lives as long as its positions.
 _ANGLES: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
-# A trace's recorder -> its own such table (of the trace's tensors), gone with the trace.
-_TRACED_ANGLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -184,12 +181,9 @@ def _angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tens
     its angles are computed once per table and reused while neither tensor changes. A trace keeps its
     own (its graph computes them from the positions of each replay, once).
     """
-    by_positions = _ANGLES
-    if runtime.tracing():
-        recorder = runtime.trace_recorder()
-        if recorder is None:  # dynamo: nothing outlives a call
-            return _cos_sin(positions, inv_freq)
-        by_positions = _TRACED_ANGLES.setdefault(recorder, WeakTensorKeyDictionary())
+    by_positions = runtime.per_trace(_ANGLES)
+    if by_positions is None:
+        return _cos_sin(positions, inv_freq)
     tables = by_positions.setdefault(positions, {})
     versions = (positions._version, inv_freq._version)
     hit = tables.get(id(inv_freq))  # the entry holds inv_freq, so its id is not reused meanwhile

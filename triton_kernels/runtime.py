@@ -22,6 +22,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import weakref
+from collections.abc import MutableMapping
 
 import torch
 import triton
@@ -78,6 +80,23 @@ def trace_recorder() -> object | None:
     """The mode recording the trace under way (make_fx / export's proxy mode): it lives as long as the
     trace, so what one trace computes can be kept for it alone. None under dynamo or outside a trace."""
     return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY)
+
+
+# A trace's recorder -> id of a cache -> that cache's own for the trace (of the trace's tensors).
+_PER_TRACE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def per_trace(cache: MutableMapping) -> MutableMapping | None:
+    """Where a reference keeps what it computes once per step (``cache``, a module's, keyed by the tensors
+    it was computed from): ``cache`` itself outside a trace; while one records, an empty one of the same
+    kind that lives as long as the trace (its graph then computes each entry once per replay); under
+    dynamo, None (nothing outlives a call)."""
+    if not tracing():
+        return cache
+    recorder = trace_recorder()
+    if recorder is None:
+        return None
+    return _PER_TRACE.setdefault(recorder, {}).setdefault(id(cache), type(cache)())
 
 
 def interpreter_active() -> bool:
