@@ -140,12 +140,26 @@ def compress(
     out: torch.Tensor,
     out_scale: torch.Tensor | None = None,
 ) -> None:
-    _validate(kv, gate, batch, states, params, out, out_scale)
+    validate(kv, gate, batch, states, params, out, out_scale)
+    compress_validated(kv, gate, batch, states, params, out, out_scale)
+
+
+def compress_validated(
+    kv: torch.Tensor,
+    gate: torch.Tensor | None,
+    batch: CompressBatch,
+    states: CompressorStates | None,
+    params: CompressorParams,
+    out: torch.Tensor,
+    out_scale: torch.Tensor | None = None,
+) -> None:
+    """``compress`` of arguments ``validate`` has passed: a graph's node, checked when it was recorded
+    (a replay's tensors have the recorded shapes, dtypes and devices)."""
     run = compress_triton if runtime.use_triton(kv) else compress_ref
     run(kv, gate, batch, states, params, out, out_scale)
 
 
-def _validate(
+def validate(
     kv: torch.Tensor,
     gate: torch.Tensor | None,
     batch: CompressBatch,

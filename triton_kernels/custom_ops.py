@@ -56,9 +56,10 @@ _inline = False  # inline_references() is active
 @contextlib.contextmanager
 def inline_references() -> Iterator[None]:
     """While it lasts, a trace records each CPU reference's own aten ops instead of one node per operator
-    (a CPU graph: the replay then runs no Python), except for the ops it keeps ``whole``: ``compress``
-    and ``store_quantized``, whose references find the closed windows and the rows to store on the host,
-    and the GEMMs over quantised weights, whose references decode them in thousands of ops a call."""
+    (a CPU graph: the replay then runs no Python), except for the ops it keeps ``whole``: ``compress``,
+    whose reference finds the closed windows on the host (a graph would compute a window per token, each
+    ``ratio`` rows wide), and the GEMMs over quantised weights, whose references decode them in thousands
+    of ops a call."""
     global _inline
     _inline, before = True, _inline
     try:
@@ -476,7 +477,7 @@ def _compress(
     batch = CompressBatch(cu_seqlens, start, state_ids, slots, request, order)
     states = CompressorStates(buffer_kv, buffer_gate, overlap_kv, overlap_gate)
     params = CompressorParams(ratio, overlap, norm_weight, eps, ape, inv_freq)
-    compressor.compress(kv, gate, batch, states, params, out, out_scale)
+    compressor.compress_validated(kv, gate, batch, states, params, out, out_scale)
 
 
 @_compress.register_fake
@@ -496,6 +497,7 @@ def compress(
     """``triton_kernels.compressor.compress`` with a state (the model's calls always carry one)."""
     if not tracing(whole=True):
         return compressor.compress(kv, gate, batch, states, params, out, out_scale)
+    compressor.validate(kv, gate, batch, states, params, out, out_scale)  # once, while the trace records
     b, s, p = batch, states, params
     _compress(
         kv, gate, b.cu_seqlens, b.start, b.state_ids, b.slots, b.request, b.order, s.buffer_kv, s.buffer_gate,
@@ -549,7 +551,7 @@ def _(rows, slots, codes, scale, rope):
 
 
 def store_quantized(rows: Tensor, slots: Tensor, cache: QuantizedRows) -> None:
-    if not tracing(whole=True):
+    if not tracing():
         return kv_store.store_quantized(rows, slots, cache)
     return _store_quantized(rows, slots, cache.codes, cache.scale, cache.rope)
 
