@@ -470,6 +470,8 @@ class Batch:
         self.effects = []
 
     def to(self, device: torch.device) -> Batch:
+        if self.positions.device == torch.device(device):  # built where it runs (the CPU): nothing moves
+            return self
         self.shared = {}  # what the host built for its own slots stays there
         for name in ("positions", "request", "window_write", "window_read"):
             setattr(self, name, getattr(self, name).to(device))

@@ -341,7 +341,8 @@ def _find_windows(batch: CompressBatch, r: int, overlap: bool, state_rows: int |
     win_req, w = _ragged(windows)
     staying = buffer_at = prev = slice_at = None
     if state_rows is not None:
-        req, i = _ragged(cu.diff())
+        req = batch.request.long()
+        i = torch.arange(n, device=cu.device) - cu[req]  # the row's place among its request's new rows
         j = held[req] + i - windows[req] * r  # the row's place in its request's open window
         staying = (j >= 0).nonzero().flatten()
         buffer_at = (sid[req[staying]], j[staying])
