@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.cpu_graph import static
+from engine.cpu_graph import record, static
 from engine.decode_graphs import DecodeGraphs, bucket, capture_sizes
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.request import SamplingParams
@@ -157,6 +157,26 @@ def test_a_data_dependent_size_is_not_replayed() -> None:
     traced = make_fx(lambda x: x.nonzero().view(-1), tracing_mode="symbolic")(torch.arange(4))
     with pytest.raises(RuntimeError, match="data-dependent size"):
         static(traced)
+
+
+def test_a_cpu_graph_makes_its_constants_once_unless_it_writes_them() -> None:
+    """An arange only read may be made once, at record time; one the step writes in place is made at every
+    replay (else the second replay would start from the first one's writes). The replay runs on one
+    thread and gives the caller's thread count back."""
+    table = torch.arange(6.0)
+
+    def step() -> tuple[torch.Tensor, ...]:
+        read = table[torch.arange(3)]
+        written = torch.arange(3.0)
+        written.add_(1)
+        return read, written
+
+    replay = record(step)
+    threads = torch.get_num_threads()
+    for _ in range(3):
+        read, written = replay()
+        assert torch.equal(read, torch.arange(3.0)) and torch.equal(written, torch.arange(1.0, 4.0))
+    assert torch.get_num_threads() == threads
 
 
 DEVICES = [
