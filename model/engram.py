@@ -132,26 +132,32 @@ class EngramHasher:
 
     def batch(
         self, token_ids: torch.Tensor, bounds: list[tuple[int, int]], histories: list[torch.Tensor | None]
-    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``__call__`` for the flat tokens of several requests (request i owns ``token_ids[lo:hi]`` of
-        ``bounds[i]`` and its look-back ``histories[i]``, None at its start), in one hash.
+        ``bounds[i]`` and its look-back ``histories[i]``, None at its start), in one hash: the bucket ids
+        and the look-backs after, ``[R, H]`` with -1 before a request's first id (as ``padded``'s).
 
         The requests' sequences (look-back, then tokens) are hashed as one, each after a dead id: a look-back
-        that crosses it hashes as pad, as before a request's first token."""
-        device = self.token_map.device
-        cids, separator = self.compress(token_ids), torch.full((1,), -1, dtype=torch.int64, device=device)
-        pieces, rows, ends, at = [], [], [], 0
+        that crosses it hashes as pad, as before a request's first token. The sequence is gathered from
+        the tokens and the look-backs in one index, its positions laid out on the host: the ops do not
+        grow with the requests."""
+        device, size = self.token_map.device, self.history_len
+        given = [h.to(device, torch.int64) for h in histories if h is not None]
+        # Ids to gather from: a dead id, the tokens, then every look-back given, end to end.
+        source = torch.cat(
+            [torch.full((1,), -1, dtype=torch.int64, device=device), self.compress(token_ids), *given]
+        )
+        order, picked, backs, held = [], [], [], 1 + token_ids.numel()
         for (lo, hi), history in zip(bounds, histories, strict=True):
-            history = separator[:0] if history is None else history.to(device, torch.int64)
-            pieces += [separator, history, cids[lo:hi]]
-            at += 1 + history.numel()
-            rows.append((at, at + hi - lo))
-            at += hi - lo
-            ends.append((max(at - hi + lo - history.numel(), at - self.history_len), at))
-        flat = torch.cat(pieces)
-        picked = torch.tensor([i for a, b in rows for i in range(a, b)], dtype=torch.int64, device=device)
-        buckets = engram_hash(flat, 0, self.tables)[picked]
-        return buckets, [flat[a:b] for a, b in ends]
+            length = 0 if history is None else history.numel()
+            dead = len(order)  # this request's dead id, where its look-backs stop
+            order += [0, *range(held, held + length), *range(1 + lo, 1 + hi)]
+            held += length
+            picked += range(len(order) - (hi - lo), len(order))
+            backs.append([max(i, dead) for i in range(len(order) - size, len(order))])
+        flat = source[torch.tensor(order, device=device)]
+        buckets = engram_hash(flat, 0, self.tables)[torch.tensor(picked, dtype=torch.int64, device=device)]
+        return buckets, flat[torch.tensor(backs, dtype=torch.int64, device=device).view(len(bounds), size)]
 
     def padded(self, token_ids: torch.Tensor, history: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``batch`` for ``B`` requests of equal length whose look-backs are the rows of ``history [B, H]``

@@ -128,6 +128,30 @@ def test_chunked_hash_matches_spec(which: str, data: st.DataObject) -> None:
     np.testing.assert_array_equal(got.numpy(), expected)
 
 
+def test_a_batch_of_requests_hashes_as_each_alone() -> None:
+    """``batch`` over requests with no look-back, a short one, a full one (a dead id in it), one of no new
+    tokens and one whose ids do not fill a look-back: each request's buckets are those ``__call__`` gives
+    it alone, and its look-back after (-1 before its first id) hashes its next tokens as the one
+    ``__call__`` returns does."""
+    gen = torch.Generator().manual_seed(5)
+    histories = [None, torch.tensor([7]), torch.tensor([-1, 12, 30]), torch.tensor([4, 5]), None]
+    lengths = [3, 1, 5, 0, 1]
+    tokens = torch.randint(0, 4096, (sum(lengths),), generator=gen)
+    ends = torch.tensor(lengths).cumsum(0).tolist()
+    bounds = list(zip([0, *ends[:-1]], ends, strict=True))
+    buckets, looks = TOY_HASHER.batch(tokens, bounds, histories)
+    assert looks.shape == (len(lengths), TOY_HASHER.history_len)
+    after = torch.randint(0, 4096, (4,), generator=gen)
+    for (lo, hi), history, look in zip(bounds, histories, looks, strict=True):
+        alone, kept = TOY_HASHER(
+            tokens[lo:hi], torch.zeros(0, dtype=torch.int64) if history is None else history
+        )
+        assert torch.equal(buckets[lo:hi], alone)
+        assert torch.equal(TOY_HASHER(after, look)[0], TOY_HASHER(after, kept)[0])
+        assert torch.equal(look[look.numel() - kept.numel() :], kept)
+        assert (look[: look.numel() - kept.numel()] == -1).all()
+
+
 def test_decode_equals_prefill() -> None:
     tokens = torch.randint(0, 4096, (40,), generator=torch.Generator().manual_seed(0)).tolist()
     no_dead = [False] * 40
